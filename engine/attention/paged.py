@@ -1,0 +1,102 @@
+"""PagedAttention: one forward pass's attention over the paged cache, with the methods' hooks.
+
+The model calls ``attend(layer, q, k, v)`` for the batch's flattened tokens: decode tokens first
+(one per sequence), then each sequence's prefill chunk. For every layer this
+
+1. stores the new tokens' K/V in the pages the CacheManager reserved for them,
+2. builds each call's AttentionView from the page tables and the methods' views,
+3. runs the backend (batched decode; one call per prefill chunk), asking for attention
+   probabilities only where a method needs them,
+4. hands the results to the methods (after_decode / after_prefill_chunk), whose evictions are
+   applied before the next layer runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable
+
+import torch
+
+from engine.cache.manager import CacheManager, ceil_div
+from engine.cache.view import AttentionView
+from engine.controller import SparseController
+from engine.lifecycle import ChunkInfo, DecodeBatch, PrefillChunk, Selection
+
+
+@dataclass
+class PrefillSegment:
+    seq_id: Hashable
+    slot: int
+    offset: int
+    """Index of the chunk's first token in the flattened batch."""
+    length: int
+    start: int
+    """Logical position of the chunk's first token."""
+    is_last: bool
+
+
+class PagedAttention:
+    def __init__(self, manager: CacheManager, controller: SparseController, backend, scale: float,
+                 decode_ids: list[Hashable], decode_num_tokens: list[int], segments: list[PrefillSegment],
+                 slot_mapping: torch.Tensor, positions: torch.Tensor):
+        self.manager = manager
+        self.controller = controller
+        self.backend = backend
+        self.scale = scale
+        self.decode_ids = decode_ids
+        self.decode_num_tokens = decode_num_tokens
+        self.segments = segments
+        self.slot_mapping = slot_mapping  # [L, N, H]
+        self.positions = positions  # [N] on device
+        device = manager.device
+        self._decode_slots = torch.tensor([manager.slot(s) for s in decode_ids], dtype=torch.long)
+        self._decode_slots_dev = self._decode_slots.to(device)
+        self._groups = controller.group(decode_ids) if decode_ids else []
+        self._decode_probs = controller.decode_needs_probs(self._groups)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        pool = self.manager.pool
+        self.backend.store_kv(pool, self.slot_mapping[layer], k, v)
+        out = torch.empty_like(q)
+        B = len(self.decode_ids)
+        if B:
+            out[:B] = self._decode(layer, q[:B])
+        for seg in self.segments:
+            s, e = seg.offset, seg.offset + seg.length
+            out[s:e] = self._prefill(layer, seg, q[s:e], k[s:e], v[s:e])
+        return out
+
+    def _view(self, slots_host: torch.Tensor, slots_dev: torch.Tensor, layer: int, sel: Selection | None) -> AttentionView:
+        P = self.manager.page_size
+        num_pages = int(ceil_div(int(self.manager.lengths[slots_host, layer].max()), P))
+        tables, lengths = self.manager.view_tables(slots_dev, layer, max(num_pages, 1))
+        view = AttentionView(tables, lengths, P)
+        if sel is not None:
+            view.selected_pages, view.token_mask = sel.selected_pages, sel.token_mask
+        return view
+
+    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        batch = DecodeBatch(layer=layer, seq_ids=self.decode_ids, num_tokens=self.decode_num_tokens, q=q,
+                            lengths=self.manager.lengths[self._decode_slots, layer], cache=self.manager)
+        sel = self.controller.decode_view(layer, self._groups, batch)
+        view = self._view(self._decode_slots, self._decode_slots_dev, layer, sel)
+        out, probs = self.backend.decode(self.manager.pool, view, q, self.scale, want_probs=self._decode_probs)
+        batch.probs = probs
+        self.controller.after_decode(layer, self._groups, batch)
+        return out
+
+    def _prefill(self, layer: int, seg: PrefillSegment, q, k, v) -> torch.Tensor:
+        info = ChunkInfo(seq_id=seg.seq_id, layer=layer, start=seg.start, length=seg.length, is_last=seg.is_last)
+        window = self.controller.prefill_probs_window(info)
+        sel = self.controller.prefill_view(layer, info)
+        slots = torch.tensor([seg.slot])
+        view = self._view(slots, slots.to(self.manager.device), layer, sel)
+        qpos = self.positions[seg.offset : seg.offset + seg.length]
+        out, probs = self.backend.prefill(self.manager.pool, view, q, qpos, self.scale, probs_window=window)
+        if self.controller.wants_after_prefill(seg.seq_id):
+            chunk = PrefillChunk(seq_id=seg.seq_id, layer=layer, start=seg.start, length=seg.length, is_last=seg.is_last,
+                                 q=q, k=k, v=v, probs=probs, lengths=self.manager.lengths[seg.slot, layer].clone(),
+                                 cache=self.manager)
+            self.controller.after_prefill_chunk(layer, chunk)
+        return out

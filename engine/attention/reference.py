@@ -1,0 +1,75 @@
+"""Plain torch attention over head-granular pages: the CPU backend and the test oracle.
+
+It gathers each head's pages into a padded ``[B, H, T, D]`` tensor, computes softmax(q k^T / sqrt(d))
+in float32 with GQA groups, and masks what the AttentionView does not let it read. For prefill,
+a query attends a key when the key's recorded position is not after the query's (causal by
+position, so it stays right after eviction has compacted a head). When asked, it returns the
+attention probabilities that score-based sparse methods need.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache.pages import PagePool
+from engine.cache.view import AttentionView
+
+
+class ReferenceAttention:
+    name = "reference"
+
+    def store_kv(self, pool: PagePool, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write new tokens' K/V (``[N, H, D]``) at flat pool indices ``slots`` (``[N, H]``)."""
+        D = pool.head_dim
+        idx = slots.reshape(-1)
+        pool.k.view(-1, D).index_copy_(0, idx, k.reshape(-1, D).to(pool.dtype))
+        pool.v.view(-1, D).index_copy_(0, idx, v.reshape(-1, D).to(pool.dtype))
+
+    @staticmethod
+    def _gather(pool: PagePool, view: AttentionView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, H, NP = view.tables.shape
+        pages = view.tables.long().clamp(min=0)
+        T = NP * pool.page_size
+        k = pool.k[pages].reshape(B, H, T, pool.head_dim)
+        v = pool.v[pages].reshape(B, H, T, pool.head_dim)
+        pos = pool.pos[pages].reshape(B, H, T)
+        return k, v, pos
+
+    def decode(self, pool: PagePool, view: AttentionView, q: torch.Tensor, scale: float,
+               want_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One query per sequence: q ``[B, Hq, D]`` -> out ``[B, Hq, D]``, probs ``[B, Hq, T]``."""
+        B, Hq, D = q.shape
+        H = view.tables.shape[1]
+        G = Hq // H
+        k, v, _ = self._gather(pool, view)
+        scores = torch.einsum("bhgd,bhtd->bhgt", q.view(B, H, G, D).float(), k.float()) * scale
+        mask = view.readable()
+        scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("bhgt,bhtd->bhgd", probs, v.float()).reshape(B, Hq, D).to(q.dtype)
+        return out, (probs.reshape(B, Hq, -1) if want_probs else None)
+
+    def prefill(self, pool: PagePool, view: AttentionView, q: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                probs_window: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A chunk of one sequence (view of batch 1): q ``[n, Hq, D]`` at positions ``q_pos`` ``[n]``.
+
+        Returns out ``[n, Hq, D]`` and, if ``probs_window`` > 0, the probabilities of the chunk's
+        last ``probs_window`` queries, ``[Hq, w, T]`` over the head's physical tokens.
+        """
+        n, Hq, D = q.shape
+        H = view.tables.shape[1]
+        G = Hq // H
+        k, v, kpos = self._gather(pool, view)
+        k, v, kpos = k[0], v[0], kpos[0]  # [H, T, D], [H, T]
+        mask = view.readable()[0][:, None, :] & (kpos[:, None, :] <= q_pos.to(kpos.device)[None, :, None])  # [H, n, T]
+        qh = q.view(n, H, G, D).permute(1, 2, 0, 3).float()  # [H, G, n, D]
+        scores = torch.einsum("hgnd,htd->hgnt", qh, k.float()) * scale
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("hgnt,htd->hgnd", probs, v.float())  # [H, G, n, D]
+        out = out.permute(2, 0, 1, 3).reshape(n, Hq, D).to(q.dtype)
+        window = None
+        if probs_window > 0:
+            w = min(probs_window, n)
+            window = probs[:, :, n - w :, :].reshape(Hq, w, -1)
+        return out, window

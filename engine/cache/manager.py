@@ -1,0 +1,358 @@
+"""CacheManager: page tables per (sequence, layer, kv-head); append, evict, fork, snapshot.
+
+Every cached sequence holds a *slot*. For each slot, layer and kv-head the manager keeps a page
+list (``tables[slot, layer, head, :]``, -1 past the end) and a physical length
+(``lengths[slot, layer, head]``): heads of one sequence may hold different numbers of tokens once a
+method has evicted. Within a head, physical order is the order tokens arrived; eviction compacts
+the kept tokens stably into the head's first pages and returns the rest to the pool, so a head
+never holds more than one partly filled page.
+
+The host copy of the tables and lengths is authoritative: the scheduler reads it without a device
+sync. On a GPU the manager writes every change to a device mirror too, which attention reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+import torch
+
+from engine.cache.pages import OutOfPages, PagePool
+
+Keep = "torch.Tensor | Sequence[torch.Tensor]"
+"""Kept physical indices of one (sequence, layer): a ``[H, m]`` tensor or one 1-D tensor per head."""
+
+
+def ceil_div(a: torch.Tensor | int, b: int):
+    return (a + b - 1) // b
+
+
+@dataclass
+class KVSnapshot:
+    """A sequence's physical KV on the host: tokens listed layer by layer, head by head."""
+
+    lengths: torch.Tensor  # [L, H] int32
+    k: torch.Tensor  # [sum(lengths), D]
+    v: torch.Tensor  # [sum(lengths), D]
+    pos: torch.Tensor  # [sum(lengths)] int32
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+class CacheManager:
+    def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, max_seqs: int, max_len: int):
+        self.pool = pool
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.page_size = pool.page_size
+        self.max_pages = ceil_div(max_len, pool.page_size)
+        self.max_seqs = max_seqs
+        shape = (max_seqs, num_layers, num_kv_heads)
+        self.tables = torch.full(shape + (self.max_pages,), -1, dtype=torch.int32)
+        self.lengths = torch.zeros(shape, dtype=torch.int32)
+        self.device = pool.device
+        self._mirrored = self.device.type != "cpu"
+        self.tables_dev = self.tables.to(self.device) if self._mirrored else self.tables
+        self.lengths_dev = self.lengths.to(self.device) if self._mirrored else self.lengths
+        self._slot_of: dict[Hashable, int] = {}
+        self._free_slots = list(range(max_seqs - 1, -1, -1))
+        self._arange_l = torch.arange(num_layers)
+        self._arange_h = torch.arange(num_kv_heads)
+
+    # --- sequences -----------------------------------------------------------------------------
+    def open(self, seq_id: Hashable) -> int:
+        if seq_id in self._slot_of:
+            raise KeyError(f"sequence {seq_id!r} already has a cache")
+        if not self._free_slots:
+            raise OutOfPages(f"all {self.max_seqs} cache slots are taken")
+        slot = self._free_slots.pop()
+        self._slot_of[seq_id] = slot
+        return slot
+
+    def has(self, seq_id: Hashable) -> bool:
+        return seq_id in self._slot_of
+
+    def slot(self, seq_id: Hashable) -> int:
+        try:
+            return self._slot_of[seq_id]
+        except KeyError:
+            raise KeyError(f"sequence {seq_id!r} has no cache") from None
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def release(self, seq_id: Hashable) -> int:
+        """Drop a sequence's cache; returns how many pages went back to the free list."""
+        slot = self._slot_of.pop(seq_id)
+        pages = self.tables[slot]
+        freed = self.pool.decref(pages[pages >= 0])
+        self.tables[slot] = -1
+        self.lengths[slot] = 0
+        if self._mirrored:
+            self.tables_dev[slot] = -1
+            self.lengths_dev[slot] = 0
+        self._free_slots.append(slot)
+        return freed
+
+    # --- accounting ----------------------------------------------------------------------------
+    def seq_lengths(self, seq_id: Hashable) -> torch.Tensor:
+        """Physical tokens per (layer, kv-head), ``[L, H]`` int32 (host)."""
+        return self.lengths[self.slot(seq_id)].clone()
+
+    def pages_per_head(self, seq_id: Hashable) -> torch.Tensor:
+        """Pages held per (layer, kv-head), ``[L, H]`` (host), from the page tables themselves."""
+        return (self.tables[self.slot(seq_id)] >= 0).sum(-1)
+
+    def num_pages(self, seq_id: Hashable) -> int:
+        return int(self.pages_per_head(seq_id).sum())
+
+    def pages_for_append(self, seq_ids: Sequence[Hashable], counts: Sequence[int]) -> int:
+        """Pages that appending ``counts[i]`` tokens to every head of ``seq_ids[i]`` would take."""
+        if not seq_ids:
+            return 0
+        slots = torch.tensor([self.slot(s) for s in seq_ids])
+        n = torch.tensor(counts, dtype=torch.int32)[:, None, None]
+        old = self.lengths[slots]
+        need = int((ceil_div(old + n, self.page_size) - ceil_div(old, self.page_size)).sum())
+        return need + int(self._shared_partial(slots, old, n).sum())
+
+    def _shared_partial(self, slots: torch.Tensor, old: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """[B, L, H]: heads whose partly filled last page is shared and is about to be written."""
+        partial = (old % self.page_size != 0) & (n > 0)
+        if not bool(partial.any()):
+            return partial
+        last_idx = ((old - 1).clamp(min=0) // self.page_size).long()
+        last = self.tables[slots].gather(-1, last_idx[..., None])[..., 0]
+        return partial & (self.pool.refcount[last.clamp(min=0).long()] > 1)
+
+    # --- append ---------------------------------------------------------------------------------
+    def append(self, seq_ids: Sequence[Hashable], counts: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
+        """Make room for ``counts[i]`` new tokens in every head of ``seq_ids[i]``.
+
+        Allocates pages (copying a shared partly filled last page first), advances the physical
+        lengths, records the tokens' positions, and returns the slot mapping ``[L, N, H]`` (int64,
+        on the pool's device): the flat pool index each new token's K/V goes to, N = sum(counts),
+        tokens ordered sequence by sequence. Raises OutOfPages (changing nothing) if the pool is short.
+        """
+        P = self.page_size
+        slots = torch.tensor([self.slot(s) for s in seq_ids])
+        n_list = list(counts)
+        n = torch.tensor(n_list, dtype=torch.int32)[:, None, None]
+        old = self.lengths[slots]  # [B, L, H]
+        new = old + n
+        old_pages, new_pages = ceil_div(old, P), ceil_div(new, P)
+        need = new_pages - old_pages
+        shared = self._shared_partial(slots, old, n)
+        total = int(need.sum()) + int(shared.sum())
+        if int(new.max()) > self.max_pages * P:
+            raise ValueError(f"a sequence would exceed max_model_len ({self.max_pages * P} tokens per head)")
+        if total > self.pool.num_free:
+            raise OutOfPages(f"append needs {total} pages, {self.pool.num_free} free")
+
+        if bool(shared.any()):  # copy-on-write of the last, partly filled page
+            b, l, h = shared.nonzero(as_tuple=True)
+            p = ((old[b, l, h] - 1) // P).long()
+            src = self.tables[slots[b], l, h, p].long()
+            dst = self.pool.alloc(src.numel())
+            self.pool.copy_pages(src, dst)
+            self._set_pages(slots[b], l, h, p, dst)
+            self.pool.decref(src)
+
+        if total:
+            b, l, h = (need > 0).nonzero(as_tuple=True)
+            per = need[b, l, h].long()
+            if per.numel():
+                ids = self.pool.alloc(int(per.sum()))
+                rows = torch.repeat_interleave(torch.arange(per.numel()), per)
+                starts = torch.cumsum(per, 0) - per
+                p = old_pages[b, l, h].long()[rows] + (torch.arange(ids.numel()) - starts[rows])
+                self._set_pages(slots[b][rows], l[rows], h[rows], p, ids)
+
+        self.lengths[slots] = new
+        if self._mirrored:
+            self.lengths_dev[slots.to(self.device)] = new.to(self.device)
+
+        # slot mapping: token j of sequence b lands at physical index old[b, l, h] + j
+        tok_b = torch.repeat_interleave(torch.arange(len(n_list)), torch.tensor(n_list))
+        seq_start = torch.cumsum(torch.tensor(n_list), 0) - torch.tensor(n_list)
+        tok_j = torch.arange(tok_b.numel()) - seq_start[tok_b]
+        idx = old[tok_b].long() + tok_j[:, None, None]  # [N, L, H]
+        page = self.tables[slots[tok_b][:, None, None], self._arange_l[None, :, None], self._arange_h[None, None, :], idx // P]
+        flat = page.long() * P + idx % P
+        flat_dev = flat.to(self.device)
+        pos = positions.to(device=self.device, dtype=torch.int32)
+        self.pool.pos.view(-1)[flat_dev.reshape(-1)] = pos[:, None, None].expand(flat.shape).reshape(-1)
+        return flat_dev.permute(1, 0, 2)
+
+    def _set_pages(self, slots: torch.Tensor, layers: torch.Tensor, heads: torch.Tensor, pages: torch.Tensor,
+                   ids: torch.Tensor) -> None:
+        self.tables[slots, layers, heads, pages] = ids.to(torch.int32)
+        if self._mirrored:
+            dev = self.device
+            self.tables_dev[slots.to(dev), layers.to(dev), heads.to(dev), pages.to(dev)] = ids.to(dev, torch.int32)
+
+    # --- evict ---------------------------------------------------------------------------------
+    def evict(self, seq_id: Hashable, layer: int, keep: Keep) -> int:
+        """Keep only ``keep[h]`` (physical indices) in each head of one layer; free the rest."""
+        return self.evict_many(layer, [(seq_id, keep)])
+
+    def evict_many(self, layer: int, items: Sequence[tuple[Hashable, Keep]]) -> int:
+        """Evict in one layer of several sequences at once; returns the pages freed (net)."""
+        P, H = self.page_size, self.num_kv_heads
+        row_slot, idx_parts, counts = [], [], []
+        if len({seq_id for seq_id, _ in items}) != len(items):
+            raise ValueError("evict_many got the same sequence twice")
+        for seq_id, keep in items:
+            s = self.slot(seq_id)
+            heads = list(keep) if not isinstance(keep, torch.Tensor) or keep.dim() == 2 else None
+            if heads is None or len(heads) != H:
+                raise ValueError(f"keep must give one index list per kv-head ({H}), got {type(keep).__name__}")
+            old = self.lengths[s, layer]
+            for h, k in enumerate(heads):
+                k = torch.as_tensor(k, dtype=torch.int64).reshape(-1).cpu()
+                k = torch.unique(k)  # sorted, no repeats
+                if k.numel() and (int(k[0]) < 0 or int(k[-1]) >= int(old[h])):
+                    raise IndexError(f"keep index out of range for {seq_id!r} layer {layer} head {h} (length {int(old[h])})")
+                row_slot.append(s)
+                idx_parts.append(k)
+                counts.append(k.numel())
+        if not row_slot:
+            return 0
+        slots = torch.tensor(row_slot)
+        heads = torch.arange(H).repeat(len(items))
+        cnt = torch.tensor(counts)
+        new_np = ceil_div(cnt, P)
+        table = self.tables[slots, layer, heads].long()  # [R, maxp]
+        page_no = torch.arange(self.max_pages)[None, :]
+        # a head whose surviving pages are shared (a fork) is compacted into fresh pages
+        kept_region = page_no < new_np[:, None]
+        shared = ((self.pool.refcount[table.clamp(min=0)] > 1) & kept_region & (table >= 0)).any(-1)
+        fresh_need = int(new_np[shared].sum())
+        free_before = self.pool.num_free
+        fresh = self.pool.alloc(fresh_need) if fresh_need else torch.empty(0, dtype=torch.int64)
+        new_table = table.clone()
+        if fresh_need:
+            sr = shared.nonzero(as_tuple=True)[0]
+            per = new_np[sr]
+            rows = torch.repeat_interleave(sr, per)
+            cols = torch.arange(fresh_need) - torch.repeat_interleave(torch.cumsum(per, 0) - per, per)
+            new_table[shared] = -1
+            new_table[rows, cols] = fresh
+
+        # move kept tokens: source index -> destination index 0..cnt-1, per row
+        idx = torch.cat(idx_parts)
+        row = torch.repeat_interleave(torch.arange(len(counts)), cnt)
+        dst_j = torch.arange(idx.numel()) - torch.repeat_interleave(torch.cumsum(cnt, 0) - cnt, cnt)
+        src = table[row, idx // P] * P + idx % P
+        dst = new_table[row, dst_j // P] * P + dst_j % P
+        moved = src != dst
+        if bool(moved.any()):
+            src_d, dst_d = src[moved].to(self.device), dst[moved].to(self.device)
+            for buf in (self.pool.k, self.pool.v):
+                flat = buf.view(-1, buf.shape[-1])
+                flat[dst_d] = flat[src_d]
+            flat_pos = self.pool.pos.view(-1)
+            flat_pos[dst_d] = flat_pos[src_d]
+
+        # pages no longer referenced by these rows
+        drop = (table >= 0) & ((page_no >= new_np[:, None]) | shared[:, None])
+        self.pool.decref(table[drop])
+        new_table[page_no.expand_as(new_table) >= new_np[:, None]] = -1
+        self.tables[slots, layer, heads] = new_table.to(torch.int32)
+        self.lengths[slots, layer, heads] = cnt.to(torch.int32)
+        if self._mirrored:
+            dev = self.device
+            self.tables_dev[slots.to(dev), layer, heads.to(dev)] = new_table.to(dev, torch.int32)
+            self.lengths_dev[slots.to(dev), layer, heads.to(dev)] = cnt.to(dev, torch.int32)
+        return self.pool.num_free - free_before
+
+    # --- fork ------------------------------------------------------------------------------------
+    def fork(self, parent: Hashable, child: Hashable) -> None:
+        """``child`` shares every page of ``parent`` copy-on-write."""
+        ps = self.slot(parent)
+        cs = self.open(child)
+        self.tables[cs] = self.tables[ps]
+        self.lengths[cs] = self.lengths[ps]
+        pages = self.tables[cs]
+        self.pool.incref(pages[pages >= 0])
+        if self._mirrored:
+            self.tables_dev[cs] = self.tables_dev[ps]
+            self.lengths_dev[cs] = self.lengths_dev[ps]
+
+    # --- reading ---------------------------------------------------------------------------------
+    def _flat_slots(self, slot: int, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat pool indices of every physical token of a slot (one layer or all), in (l, h, t) order."""
+        P = self.page_size
+        lengths = self.lengths[slot] if layer is None else self.lengths[slot, layer][None]
+        tables = self.tables[slot] if layer is None else self.tables[slot, layer][None]
+        L, H = lengths.shape
+        cnt = lengths.reshape(-1).long()
+        row = torch.repeat_interleave(torch.arange(L * H), cnt)
+        t = torch.arange(row.numel()) - torch.repeat_interleave(torch.cumsum(cnt, 0) - cnt, cnt)
+        page = tables.reshape(L * H, -1)[row, t // P].long()
+        return page * P + t % P, lengths
+
+    def gather(self, seq_id: Hashable, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One layer of a sequence as padded tensors: k, v ``[H, T, D]``, pos ``[H, T]`` (-1 past
+        each head's end) and lengths ``[H]``, T the longest head. For methods that score the cache."""
+        P = self.page_size
+        s = self.slot(seq_id)
+        lengths = self.lengths_dev[s, layer]
+        T = int(self.lengths[s, layer].max())
+        npages = ceil_div(T, P)
+        pages = self.tables_dev[s, layer, :, :npages].long().clamp(min=0)
+        D = self.pool.head_dim
+        H = self.num_kv_heads
+        k = self.pool.k[pages].reshape(H, npages * P, D)[:, :T]
+        v = self.pool.v[pages].reshape(H, npages * P, D)[:, :T]
+        pos = self.pool.pos[pages].reshape(H, npages * P)[:, :T].clone()
+        pos[torch.arange(T, device=pos.device)[None, :] >= lengths[:, None]] = -1
+        return k, v, pos, lengths
+
+    def view_tables(self, slots: torch.Tensor, layer: int, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device page tables ``[B, H, num_pages]`` and lengths ``[B, H]`` of one layer for a batch."""
+        return self.tables_dev[slots, layer, :, :num_pages], self.lengths_dev[slots, layer]
+
+    # --- snapshot ----------------------------------------------------------------------------------
+    def snapshot(self, seq_id: Hashable) -> KVSnapshot:
+        s = self.slot(seq_id)
+        flat, lengths = self._flat_slots(s)
+        flat_d = flat.to(self.device)
+        D = self.pool.head_dim
+        return KVSnapshot(
+            lengths=lengths.clone(),
+            k=self.pool.k.view(-1, D)[flat_d].cpu(),
+            v=self.pool.v.view(-1, D)[flat_d].cpu(),
+            pos=self.pool.pos.view(-1)[flat_d].cpu(),
+        )
+
+    def restore(self, seq_id: Hashable, snap: KVSnapshot) -> None:
+        L, H = self.num_layers, self.num_kv_heads
+        if tuple(snap.lengths.shape) != (L, H):
+            raise ValueError(f"snapshot is for {tuple(snap.lengths.shape)} (layers, kv-heads); this model has {(L, H)}")
+        if snap.k.shape[-1] != self.pool.head_dim or snap.k.shape[0] != snap.num_tokens:
+            raise ValueError("snapshot K/V shapes do not match its lengths or this model's head_dim")
+        if int(snap.lengths.max()) > self.max_pages * self.page_size:
+            raise ValueError("snapshot holds more tokens per head than max_model_len allows")
+        need = int(ceil_div(snap.lengths.long(), self.page_size).sum())
+        if need > self.pool.num_free:
+            raise OutOfPages(f"restore needs {need} pages, {self.pool.num_free} free")
+        s = self.open(seq_id)
+        per = ceil_div(snap.lengths.long(), self.page_size).reshape(-1)
+        ids = self.pool.alloc(need)
+        rows = torch.repeat_interleave(torch.arange(L * H), per)
+        cols = torch.arange(need) - torch.repeat_interleave(torch.cumsum(per, 0) - per, per)
+        self._set_pages(torch.full_like(rows, s), rows // H, rows % H, cols, ids)
+        self.lengths[s] = snap.lengths.to(torch.int32)
+        if self._mirrored:
+            self.lengths_dev[s] = self.lengths[s].to(self.device)
+        flat, _ = self._flat_slots(s)
+        flat_d = flat.to(self.device)
+        D = self.pool.head_dim
+        self.pool.k.view(-1, D)[flat_d] = snap.k.to(self.device, self.pool.dtype)
+        self.pool.v.view(-1, D)[flat_d] = snap.v.to(self.device, self.pool.dtype)
+        self.pool.pos.view(-1)[flat_d] = snap.pos.to(self.device, torch.int32)

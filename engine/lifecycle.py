@@ -1,0 +1,271 @@
+"""The Lifecycle Contract: the hooks through which a sparse method controls its sequences' KV.
+
+A method subclasses :class:`SparseMethod`. It owns its rule and its per-sequence state; it never
+touches pages. Hooks return *decisions* (which physical tokens each kv-head keeps, which pages
+attention may read) and the SparseController hands them to the CacheManager, which really frees
+what is evicted. Hooks a method does not override cost nothing: the controller skips them.
+
+Hooks, in the order the engine calls them (see DESIGN.md):
+
+=========================================  =====================================================
+``on_admit(seq)``                          a sequence (or resumed session) enters the engine
+``prefill_probs_window(chunk)``            how many of the chunk's last queries' attention
+                                           probabilities ``after_prefill_chunk`` needs (0: none)
+``prefill_view(layer, chunk)``             which cached KV a prefill chunk attends (None: all)
+``after_prefill_chunk(layer, chunk)``      keep-indices per kv-head after a chunk's attention
+``decode_view(layer, batch)``              pages / tokens each head reads this decode step
+``after_decode(layer, batch)``             keep-indices after a decode step (scores in batch)
+``on_turn_end(seq, spans)``                a turn finished: compress what it appended
+``state_dict(seq)`` / ``load_state_dict``  snapshot / resume of the method's state
+``fork_state(seq, child)``                 ForkSession: copy state to the child
+``release(seq)``                           the sequence ends: drop state
+=========================================  =====================================================
+
+Physical indices: within one (sequence, layer, kv-head), tokens sit in arrival order and eviction
+keeps that order, so index ``i`` is the i-th oldest token the head still holds. Their original
+positions are available from :class:`KVReader` for methods that need them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Hashable, Mapping, Protocol, Sequence
+
+import torch
+
+SeqId = Hashable
+Keep = "torch.Tensor | Sequence[torch.Tensor]"
+"""Kept physical indices of one (sequence, layer): ``[H, m]``, or one 1-D tensor per kv-head."""
+
+
+class MethodError(ValueError):
+    """A method name, budget or parameter is invalid."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a method may know about the model and the cache layout."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass
+class MethodSpec:
+    """Which method a sequence uses, with its budget and parameters (same names as EngineConfig)."""
+
+    method: str = "dense"
+    budget: int | None = None
+    budget_ratio: float | None = None
+    method_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and self.budget_ratio is not None:
+            raise MethodError("give budget (tokens per head) or budget_ratio (fraction kept), not both")
+        if self.budget is not None and (not isinstance(self.budget, int) or self.budget < 1):
+            raise MethodError(f"budget must be a positive number of tokens, not {self.budget!r}")
+        if self.budget_ratio is not None and not (0 < self.budget_ratio <= 1):
+            raise MethodError(f"budget_ratio must be in (0, 1], not {self.budget_ratio!r}")
+
+    def key(self) -> tuple:
+        return (self.method, self.budget, self.budget_ratio, tuple(sorted((k, repr(v)) for k, v in self.method_args.items())))
+
+
+class KVReader(Protocol):
+    """Read access to the cache for scoring (implemented by the CacheManager)."""
+
+    def gather(self, seq_id: SeqId, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """k, v ``[H, T, D]``, positions ``[H, T]`` (-1 past each head's end), lengths ``[H]``."""
+
+    def seq_lengths(self, seq_id: SeqId) -> torch.Tensor:
+        """Physical tokens per (layer, kv-head), ``[L, H]`` (host)."""
+
+
+@dataclass
+class SeqInfo:
+    seq_id: SeqId
+    num_tokens: int
+    """Logical tokens in the sequence so far (the whole history, prompt included)."""
+
+
+@dataclass
+class ChunkInfo:
+    """A prefill chunk of one sequence, before its attention."""
+
+    seq_id: SeqId
+    layer: int
+    start: int
+    """Logical position of the chunk's first token."""
+    length: int
+    is_last: bool
+    """The chunk ends the input of this turn (the next token will be sampled)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Logical length of the sequence once the chunk is in."""
+        return self.start + self.length
+
+
+@dataclass
+class PrefillChunk(ChunkInfo):
+    """A prefill chunk after its attention: its q/k/v and, if asked for, attention probabilities."""
+
+    q: torch.Tensor = None  # [n, Hq, D], after RoPE
+    k: torch.Tensor = None  # [n, H, D], after RoPE
+    v: torch.Tensor = None  # [n, H, D]
+    probs: torch.Tensor | None = None
+    """``[Hq, w, T]``: softmax of the chunk's last w queries over the head's physical tokens."""
+    lengths: torch.Tensor = None
+    """``[H]`` (host): physical tokens per kv-head, the chunk included."""
+    cache: KVReader = None
+
+
+@dataclass
+class DecodeBatch:
+    """One decode step of one layer for the sequences of one method (row ``i`` is ``seq_ids[i]``)."""
+
+    layer: int
+    seq_ids: list[SeqId]
+    num_tokens: list[int]
+    """Logical length of each sequence, the token being decoded included."""
+    q: torch.Tensor  # [B, Hq, D]
+    lengths: torch.Tensor
+    """``[B, H]`` (host): physical tokens per kv-head, the new token included."""
+    cache: KVReader
+    probs: torch.Tensor | None = None
+    """``[B, Hq, T]`` attention probabilities of this step (when ``needs_decode_probs``)."""
+
+
+@dataclass
+class Selection:
+    """What attention may read this step, for the rows of a DecodeBatch (or one prefill chunk)."""
+
+    selected_pages: torch.Tensor | None = None
+    """``[B, H, K]`` indices into each head's page list (-1 = unused)."""
+    token_mask: torch.Tensor | None = None
+    """``[B, H, T]`` bool over physical tokens."""
+
+
+@dataclass
+class Span:
+    """A span of the logical history, tagged by role (for on_turn_end and pruning)."""
+
+    start: int
+    end: int
+    role: str
+
+
+class SparseMethod:
+    """Base class: a pass-through method. Subclasses override the hooks they need."""
+
+    name: ClassVar[str] = ""
+    Params: ClassVar[type] = None  # a dataclass of the method's own parameters
+    needs_budget: ClassVar[bool] = False
+    needs_decode_probs: ClassVar[bool] = False
+    """The backend returns decode attention probabilities only for methods that set this."""
+
+    def __init__(self, spec: MethodSpec, shape: ModelShape):
+        self.spec = spec
+        self.shape = shape
+        self.params = build_params(type(self), spec.method_args)
+        if self.needs_budget and spec.budget is None and spec.budget_ratio is None:
+            raise MethodError(f"method {self.name!r} needs budget (tokens per head) or budget_ratio")
+
+    # --- budget -------------------------------------------------------------------------------
+    def budget_for(self, num_tokens: int) -> int | None:
+        """Tokens to keep per (layer, kv-head) for a context of ``num_tokens`` (None: no limit)."""
+        if self.spec.budget is not None:
+            return self.spec.budget
+        if self.spec.budget_ratio is not None:
+            return max(1, math.ceil(self.spec.budget_ratio * num_tokens))
+        return None
+
+    def kept_tokens(self, num_tokens: int) -> int:
+        """Tokens per head this method holds, at most, once a context of ``num_tokens`` is compressed."""
+        return num_tokens
+
+    # --- lifecycle hooks (all optional) --------------------------------------------------------
+    def on_admit(self, seq: SeqInfo) -> None:
+        pass
+
+    def prefill_probs_window(self, chunk: ChunkInfo) -> int:
+        return 0
+
+    def prefill_view(self, layer: int, chunk: ChunkInfo) -> Selection | None:
+        return None
+
+    def after_prefill_chunk(self, layer: int, chunk: PrefillChunk) -> Keep | None:
+        return None
+
+    def decode_view(self, layer: int, batch: DecodeBatch) -> Selection | None:
+        return None
+
+    def after_decode(self, layer: int, batch: DecodeBatch) -> Mapping[SeqId, Keep] | None:
+        return None
+
+    def on_turn_end(self, seq: SeqInfo, spans: Sequence[Span]) -> Mapping[int, Keep] | None:
+        """Keep decisions per layer for one sequence at the end of a turn (None: nothing)."""
+        return None
+
+    def state_dict(self, seq_id: SeqId) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, seq_id: SeqId, state: Mapping[str, Any]) -> None:
+        pass
+
+    def fork_state(self, seq_id: SeqId, child_id: SeqId) -> None:
+        pass
+
+    def release(self, seq_id: SeqId) -> None:
+        pass
+
+
+def build_params(cls: type, args: Mapping[str, Any]) -> Any:
+    """The method's Params dataclass from ``method_args``, with a clear error for unknown keys."""
+    if cls.Params is None:
+        if args:
+            raise MethodError(f"method {cls.name!r} takes no parameters, got {', '.join(sorted(args))}")
+        return None
+    names = {f.name: f for f in dataclasses.fields(cls.Params)}
+    unknown = sorted(set(args) - set(names))
+    if unknown:
+        raise MethodError(f"method {cls.name!r} has no parameter(s) {', '.join(unknown)}; it takes {', '.join(names) or 'none'}")
+    values = {}
+    for key, value in args.items():
+        default = names[key].default
+        if isinstance(value, str) and not isinstance(default, str) and default is not dataclasses.MISSING:
+            value = _parse_value(cls.name, key, value, type(default))
+        values[key] = value
+    return cls.Params(**values)
+
+
+def _parse_value(method: str, key: str, text: str, kind: type) -> Any:
+    try:
+        if kind is bool:
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if kind in (list, tuple):
+            return kind(int(x) for x in text.split(",") if x.strip())
+        return kind(text)
+    except ValueError:
+        raise MethodError(f"{method}.{key} expects {kind.__name__}, got {text!r}") from None
+
+
+def recent_and_sink(length: int, n_sink: int, budget: int) -> torch.Tensor:
+    """Physical indices of the first ``n_sink`` and the most recent ``budget - n_sink`` tokens."""
+    if length <= budget:
+        return torch.arange(length)
+    n_sink = min(n_sink, budget)
+    return torch.cat([torch.arange(n_sink), torch.arange(length - (budget - n_sink), length)])

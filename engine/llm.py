@@ -1,0 +1,292 @@
+"""LLMEngine: the engine's front door — submit requests, step the batch, or generate to completion.
+
+    engine = LLMEngine(EngineConfig(method="streaming_llm", budget=256))
+    out = engine.generate(["Hello"], SamplingParams(max_tokens=32))
+
+``add_request`` / ``step`` / ``abort`` is the step-wise interface a server drives; ``generate``
+loops over it. Requests may name their own sparse method (a ``MethodSpec``); the rest use the
+config's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any, Hashable, Iterable
+
+import torch
+
+from engine.attention.reference import ReferenceAttention
+from engine.cache.manager import CacheManager
+from engine.cache.pages import PagePool
+from engine.config import ConfigError, EngineConfig
+from engine.controller import SparseController
+from engine.lifecycle import MethodSpec, ModelShape
+from engine.model.llama import LlamaForCausalLM
+from engine.model.loader import (ModelConfig, load_hf_config, load_tokenizer, parse_hf_config, read_safetensors,
+                                 resolve_model_dir)
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams, sample
+from engine.scheduler import Scheduler
+from engine.sequence import RequestOutput, Sequence, SeqStatus
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RequestError(ValueError):
+    """A request cannot be served as given (too long, bad parameters, unknown id)."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device cuda was asked for, but torch sees no CUDA device")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, *, random_weights: bool = False, **overrides: Any):
+        """Load the model and size the KV pool. ``random_weights`` keeps the real shapes but
+        initialises weights randomly (throughput benchmarks); the checkpoint's config is still read."""
+        if config is None:
+            config = EngineConfig(**overrides)
+        elif overrides:
+            config = EngineConfig.from_dict({**config.to_dict(), **overrides})
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_dir = resolve_model_dir(config.model)
+        self.hf_config = load_hf_config(self.model_dir)
+        self.model_config: ModelConfig = parse_hf_config(self.hf_config)
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if mc.sliding_window and self.max_model_len > mc.sliding_window:
+            log.warning("%s uses a sliding window of %d; max_model_len capped to it", mc.architecture, mc.sliding_window)
+            self.max_model_len = mc.sliding_window
+        self.tokenizer = load_tokenizer(self.model_dir)
+
+        self.model = LlamaForCausalLM.create(mc, self.hf_config, self.max_model_len, self.dtype, self.device)
+        if random_weights:
+            self.model.init_random(seed=config.seed)
+        else:
+            self.model.load_weights(read_safetensors(self.model_dir))
+        self.model.eval()
+
+        self.shape = ModelShape(num_layers=mc.num_layers, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
+                                head_dim=mc.head_dim, page_size=config.page_size)
+        self.pool = PagePool(self._num_pages(), config.page_size, mc.head_dim, self.dtype, self.device)
+        self.manager = CacheManager(self.pool, mc.num_layers, mc.num_kv_heads, config.max_num_seqs, self.max_model_len)
+        self.controller = SparseController(self.shape, self.manager)
+        self.default_spec = MethodSpec(config.method, config.budget, config.budget_ratio, dict(config.method_args))
+        self.controller.method_for(self.default_spec)  # a bad method setting fails here, not on the first request
+        self.scheduler = Scheduler(config, self.manager, self.controller)
+        self.backend = self._backend()
+        self.runner = ModelRunner(self.model, self.manager, self.controller, self.backend)
+        self.eos_token_ids = set(mc.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._seqs: dict[Hashable, Sequence] = {}
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+
+    # --- setup ---------------------------------------------------------------------------------
+    def _num_pages(self) -> int:
+        cfg, mc = self.config, self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        page_bytes = 2 * cfg.page_size * mc.head_dim * elem + cfg.page_size * 4
+        if cfg.num_pages is not None:
+            return cfg.num_pages
+        if cfg.kv_cache_gb is not None or self.device.type != "cuda":
+            return int((cfg.kv_cache_gb or 2.0) * 2**30 // page_bytes)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # keep room for activations: the largest prefill chunk's attention and the logits
+        reserve = max(2 * 2**30, int(0.04 * total))
+        budget = int(total * cfg.gpu_memory_utilization) - (total - free) - reserve
+        if budget < page_bytes * mc.num_layers * mc.num_kv_heads:
+            raise ConfigError(f"too little GPU memory left for the KV pool ({budget / 2**30:.1f} GiB)")
+        return budget // page_bytes
+
+    def _backend(self):
+        name = self.config.attention_backend
+        if name == "triton" or (name == "auto" and self.device.type == "cuda"):
+            try:
+                from engine.attention.triton_paged import TritonPagedAttention
+            except ImportError:
+                if name == "triton":
+                    raise ConfigError("attention_backend triton needs Triton and a CUDA device") from None
+            else:
+                return TritonPagedAttention()
+        return ReferenceAttention()
+
+    # --- text --------------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self._need_tokenizer().encode(text, add_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        out = self._need_tokenizer().apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                          tokenize=True, return_dict=False, **kwargs)
+        return list(out)
+
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise RequestError(f"{self.model_dir} has no tokenizer; give token ids instead of text")
+        return self.tokenizer
+
+    # --- requests -----------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: Hashable | None = None, method: MethodSpec | None = None) -> Hashable:
+        params = params or SamplingParams()
+        token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in token_ids):
+            raise RequestError(f"token ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}")
+        request_id = next(self._ids) if request_id is None else request_id
+        if request_id in self._seqs:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        spec = method or self.default_spec
+        m = self.controller.method_for(spec)  # raises MethodError for a bad spec
+        total = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        peak = min(total, m.kept_tokens(total) + self.config.prefill_chunk_size + 1)
+        need = self.scheduler.fresh_pages(peak)
+        if need > self.pool.num_pages:
+            raise RequestError(f"this request needs up to {need} KV pages; the pool has {self.pool.num_pages}")
+        gen = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self.config.seed + next(self._arrivals)
+            gen = torch.Generator().manual_seed(seed)
+        seq = Sequence(request_id, token_ids, params, spec, self.tokenizer, gen)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: Hashable) -> RequestOutput | None:
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.finished:
+            return None
+        self._finish(seq, "abort")
+        return self._output(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # --- stepping -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass; outputs for every request that produced tokens or finished."""
+        batch = self.scheduler.schedule()
+        touched: list[Sequence] = []
+        for seq, reason in batch.failed:
+            seq.error = reason
+            self._finish(seq, "error")
+            touched.append(seq)
+        if not batch.empty:
+            result = self.runner.execute(batch)
+            for sid, rows in result.prompt_logits.items():
+                self._seqs[sid].prompt_logits.append(rows.cpu())
+            tokens = sample(result.logits, [s.params for s in result.sampling], [s.generator for s in result.sampling])
+            now = time.monotonic()
+            for seq, tok, row in zip(result.sampling, tokens, result.logits):
+                if seq.params.return_logits:
+                    seq.step_logits.append(row.cpu())
+                self._append_token(seq, tok, now)
+                touched.append(seq)
+        return [self._output(s) for s in touched]
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.token_ids.append(token)
+        seq.output_ids.append(token)
+        seq.pending_ids.append(token)
+        seq.in_decode = True
+        seq.counters.decoded_tokens += 1
+        p = seq.params
+        is_stop = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        if not is_stop:
+            seq.pending_text += seq.detok.push(token)
+        if is_stop or seq.detok.stopped_on is not None:
+            self._finish(seq, "stop")
+        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.pending_text += seq.detok.flush()
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        if self.manager.has(seq.seq_id):
+            self.manager.release(seq.seq_id)
+        self.controller.release(seq.seq_id)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        out = RequestOutput(
+            request_id=seq.seq_id,
+            prompt_token_ids=seq.token_ids[: seq.prompt_len],
+            token_ids=list(seq.output_ids),
+            text=seq.detok.text,
+            new_token_ids=seq.pending_ids,
+            new_text=seq.pending_text,
+            finished=seq.finished,
+            finish_reason=seq.finish_reason,
+            error=seq.error,
+            counters=seq.counters,
+            time_to_first_token=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+        )
+        seq.pending_ids, seq.pending_text = [], ""
+        if seq.finished:
+            self._seqs.pop(seq.seq_id, None)
+        return out
+
+    def logits_of(self, request_id: Hashable) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(prompt logits ``[prompt_len, V]``, step logits ``[generated, V]``) kept for a live request."""
+        seq = self._seqs[request_id]
+        return (torch.cat(seq.prompt_logits) if seq.prompt_logits else None,
+                torch.stack(seq.step_logits) if seq.step_logits else None)
+
+    def generate(self, prompts: Iterable[str | list[int]] | str | list[int], params: SamplingParams | list[SamplingParams] | None = None,
+                 method: MethodSpec | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order (each with its logits if asked for)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp, method=method) for p, sp in zip(prompts, plist)]
+        seqs = {i: self._seqs[i] for i in ids}
+        done: dict[Hashable, RequestOutput] = {}
+        while len(done) < len(ids):
+            if not self.has_unfinished():
+                raise RuntimeError("the engine stopped with requests unfinished")
+            for out in self.step():
+                if out.finished:
+                    seq = seqs[out.request_id]
+                    out.prompt_logits = torch.cat(seq.prompt_logits) if seq.prompt_logits else None
+                    out.step_logits = torch.stack(seq.step_logits) if seq.step_logits else None
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    # --- stats ------------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        return {
+            "pages_total": self.pool.num_pages,
+            "pages_free": self.pool.num_free,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.preemptions,
+            "forward_passes": self.runner.forward_passes,
+            "evicted_pages": self.controller.evicted_pages,
+            "evicted_tokens": self.controller.evicted_tokens,
+        }

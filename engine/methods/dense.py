@@ -1,0 +1,13 @@
+"""dense: the pass-through method. Every token stays; attention reads the whole cache.
+
+Paper: none (the baseline every sparse method is compared against).
+Rule: keep everything. Parameters: none.
+"""
+
+from __future__ import annotations
+
+from engine.lifecycle import SparseMethod
+
+
+class Dense(SparseMethod):
+    name = "dense"

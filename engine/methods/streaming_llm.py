@@ -1,0 +1,56 @@
+"""streaming_llm: attention sinks plus a sliding window of recent tokens.
+
+Paper: Xiao et al., "Efficient Streaming Language Models with Attention Sinks" (ICLR 2024).
+Rule: keep the first ``n_sink`` tokens (the attention sinks) and the most recent
+``budget - n_sink`` tokens of every (layer, kv-head); evict the rest. It evicts after every prefill
+chunk, so a long prompt never holds more than ``budget`` + one chunk, and after every decode step
+once a head exceeds its budget.
+
+Parameters:
+    budget / budget_ratio   tokens kept per head (sink + window); required
+    n_sink = 4              attention-sink tokens kept at the start (the paper uses 4)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.lifecycle import DecodeBatch, MethodError, PrefillChunk, SparseMethod, recent_and_sink
+
+
+@dataclass
+class StreamingLLMParams:
+    n_sink: int = 4
+
+
+class StreamingLLM(SparseMethod):
+    name = "streaming_llm"
+    Params = StreamingLLMParams
+    needs_budget = True
+
+    def __init__(self, spec, shape):
+        super().__init__(spec, shape)
+        if self.params.n_sink < 0:
+            raise MethodError("streaming_llm.n_sink must be >= 0")
+        if spec.budget is not None and spec.budget <= self.params.n_sink:
+            raise MethodError(f"streaming_llm budget ({spec.budget}) must exceed n_sink ({self.params.n_sink})")
+
+    def kept_tokens(self, num_tokens: int) -> int:
+        return min(num_tokens, self.budget_for(num_tokens))
+
+    def _keep(self, lengths, num_tokens: int):
+        budget = self.budget_for(num_tokens)
+        if int(lengths.max()) <= budget:
+            return None
+        return [recent_and_sink(int(n), self.params.n_sink, budget) for n in lengths]
+
+    def after_prefill_chunk(self, layer: int, chunk: PrefillChunk):
+        return self._keep(chunk.lengths, chunk.num_tokens)
+
+    def after_decode(self, layer: int, batch: DecodeBatch):
+        out = {}
+        for i, seq_id in enumerate(batch.seq_ids):
+            keep = self._keep(batch.lengths[i], batch.num_tokens[i])
+            if keep is not None:
+                out[seq_id] = keep
+        return out

@@ -1,0 +1,97 @@
+"""ModelRunner: turns a scheduled batch into one forward pass and returns the logits to sample from.
+
+Token layout of the pass: the decode tokens (one per decoding sequence) first, then each
+prefill chunk. The runner reserves cache room for every token (CacheManager.append), binds the
+batch to a PagedAttention, runs the model and returns one logits row per sequence that samples
+(each decode, and each chunk that ends its sequence's input), plus every chunk position for
+sequences that asked for prompt logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.paged import PagedAttention, PrefillSegment
+from engine.cache.manager import CacheManager
+from engine.controller import SparseController
+from engine.model.llama import LlamaForCausalLM
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+
+
+@dataclass
+class StepResult:
+    sampling: list[Sequence]
+    """Sequences that sample a token this step, in the order of ``logits``' rows."""
+    logits: torch.Tensor
+    """``[len(sampling), V]`` float32."""
+    prompt_logits: dict
+    """seq_id -> ``[n, V]`` logits of every token of this step's chunk (when asked for)."""
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, manager: CacheManager, controller: SparseController, backend):
+        self.model = model
+        self.manager = manager
+        self.controller = controller
+        self.backend = backend
+        self.device = manager.device
+        self.scale = model.cfg.head_dim ** -0.5
+        self.forward_passes = 0
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        ids: list[int] = []
+        positions: list[int] = []
+        seq_ids, counts = [], []
+        for seq in batch.decode:
+            ids.append(seq.token_ids[seq.num_cached])
+            positions.append(seq.num_cached)
+            seq_ids.append(seq.seq_id)
+            counts.append(1)
+        segments = []
+        for seq, n in batch.prefill:
+            start = seq.num_cached
+            segments.append(PrefillSegment(seq_id=seq.seq_id, slot=self.manager.slot(seq.seq_id), offset=len(ids),
+                                           length=n, start=start, is_last=start + n == seq.num_tokens))
+            ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            seq_ids.append(seq.seq_id)
+            counts.append(n)
+
+        pos_t = torch.tensor(positions, dtype=torch.long)
+        slot_mapping = self.manager.append(seq_ids, counts, pos_t)
+        pos_dev = pos_t.to(self.device)
+        attend = PagedAttention(self.manager, self.controller, self.backend, self.scale,
+                                decode_ids=[s.seq_id for s in batch.decode],
+                                decode_num_tokens=[s.num_cached + 1 for s in batch.decode],
+                                segments=segments, slot_mapping=slot_mapping, positions=pos_dev)
+
+        sampling = list(batch.decode)
+        rows = list(range(len(batch.decode)))  # flattened tokens whose logits we compute
+        sample_rows = list(range(len(batch.decode)))  # indices into rows, one per sampling sequence
+        prompt_rows: dict = {}
+        for (seq, n), seg in zip(batch.prefill, segments):
+            if seq.params.prompt_logits:
+                prompt_rows[seq.seq_id] = (len(rows), len(rows) + n)
+                rows.extend(range(seg.offset, seg.offset + n))
+            elif seg.is_last:
+                rows.append(seg.offset + n - 1)
+            if seg.is_last:
+                sample_rows.append(len(rows) - 1)
+                sampling.append(seq)
+
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        logits = self.model(input_ids, pos_dev, attend, torch.tensor(rows, dtype=torch.long, device=self.device))
+        self.forward_passes += 1
+
+        for seq, n in batch.prefill:
+            seq.num_cached += n
+            seq.counters.prefilled_tokens += n
+        for seq in batch.decode:
+            seq.num_cached += 1
+
+        prompt_logits = {sid: logits[a:b] for sid, (a, b) in prompt_rows.items()}
+        return StepResult(sampling=sampling, logits=logits[sample_rows], prompt_logits=prompt_logits)

@@ -1,0 +1,140 @@
+"""Scheduler: continuous batching with chunked prefill, admission against free pages, preemption.
+
+Each step it packs one forward pass, up to ``max_num_batched_tokens`` tokens:
+
+1. every running sequence: its decode token, or its next prefill chunk (``prefill_chunk_size``);
+   when the pool is short of pages, the most recently admitted sequence is preempted (its pages
+   are freed and it is prefilled again later: recompute), so the engine never runs out of memory;
+2. waiting sequences, first come first served, while their first chunk fits in the free pages
+   with a reservation left for one decode step of every running sequence.
+
+Page needs are counted from the cache's real (possibly compressed) head lengths, so the batch grows
+as methods free pages.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.cache.manager import CacheManager, ceil_div
+from engine.config import EngineConfig
+from engine.controller import SparseController
+from engine.lifecycle import SeqInfo
+from engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledBatch:
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)
+    """(sequence, tokens to prefill this step)."""
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(n for _, n in self.prefill)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, manager: CacheManager, controller: SparseController):
+        self.config = config
+        self.manager = manager
+        self.controller = controller
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+        L, H = manager.num_layers, manager.num_kv_heads
+        self._pages_per_step = L * H  # the most pages one decode step of one sequence can take
+
+    # --- queue --------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues (finished or aborted); the caller releases its cache."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def fresh_pages(self, n: int) -> int:
+        return self._pages_per_step * int(ceil_div(n, self.manager.page_size))
+
+    # --- one step -----------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        chunk = self.config.prefill_chunk_size
+        reserved = 0
+        pool = self.manager.pool
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = 1 if seq.in_decode else min(seq.num_to_feed, chunk, budget)
+            need = self.manager.pages_for_append([seq.seq_id], [n])
+            while need > pool.num_free - reserved:
+                victim = self.running[-1]
+                if victim is seq and i == 0:
+                    # alone and still too large: it can never run in this pool
+                    self.running.pop()
+                    batch.failed.append((seq, f"the KV pool ({pool.num_pages} pages) cannot hold this sequence"))
+                    seq = None
+                    break
+                self._preempt(victim, batch)
+                if victim is seq:
+                    seq = None
+                    break
+            if seq is None:
+                continue
+            reserved += need
+            budget -= n
+            (batch.decode.append(seq) if seq.in_decode else batch.prefill.append((seq, n)))
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_to_feed, chunk, budget)
+            cached = self.manager.has(seq.seq_id)
+            if not cached and self.manager.num_free_slots == 0:
+                break
+            need = self.manager.pages_for_append([seq.seq_id], [n]) if cached else self.fresh_pages(n)
+            reserve = self._pages_per_step * len(self.running)
+            if need + reserve > pool.num_free - reserved:
+                if self.running:
+                    break
+                if need > pool.num_free:  # nothing runs that could free pages: it never fits
+                    self.waiting.popleft()
+                    batch.failed.append((seq, f"the KV pool ({pool.num_pages} pages) cannot hold a chunk of this sequence"))
+                    continue
+            self.waiting.popleft()
+            if not cached:
+                self.manager.open(seq.seq_id)
+                self.controller.admit(SeqInfo(seq_id=seq.seq_id, num_tokens=seq.num_cached), seq.spec)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            reserved += need
+            budget -= n
+            batch.prefill.append((seq, n))
+        return batch
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self.manager.release(seq.seq_id)
+        self.controller.release(seq.seq_id)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+        batch.preempted.append(seq)
+

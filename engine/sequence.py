@@ -1,0 +1,100 @@
+"""Sequence: one request's tokens, progress through the cache, sampling state and output."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.lifecycle import MethodSpec
+from engine.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SeqCounters:
+    prefilled_tokens: int = 0
+    """Tokens this request pushed through prefill (recomputation after preemption included)."""
+    reused_tokens: int = 0
+    """Tokens whose KV was already cached when the request arrived (chain / prefix reuse)."""
+    decoded_tokens: int = 0
+    preemptions: int = 0
+
+
+class Sequence:
+    def __init__(self, seq_id: Hashable, token_ids: list[int], params: SamplingParams, spec: MethodSpec,
+                 tokenizer: Any, generator: torch.Generator | None, num_cached: int = 0):
+        self.seq_id = seq_id
+        self.token_ids = list(token_ids)
+        """The whole logical history: everything fed so far plus everything sampled."""
+        self.prompt_len = len(token_ids)
+        self.num_cached = num_cached
+        """Leading tokens of ``token_ids`` whose KV is in the cache."""
+        self.params = params
+        self.spec = spec
+        self.generator = generator
+        self.status = SeqStatus.WAITING
+        self.in_decode = False
+        """The prompt is in and the last token was sampled: feed it through the decode path."""
+        self.output_ids: list[int] = []
+        self.detok = IncrementalDetokenizer(tokenizer, params.stop)
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.counters = SeqCounters(reused_tokens=num_cached)
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.pending_text = ""
+        """Text produced since the last RequestOutput."""
+        self.pending_ids: list[int] = []
+        self.prompt_logits: list[torch.Tensor] = []  # per chunk, when params.prompt_logits
+        self.step_logits: list[torch.Tensor] = []  # per sampled token, when params.return_logits
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_to_feed(self) -> int:
+        """Tokens not yet in the cache (for a decode step, the one just sampled)."""
+        return len(self.token_ids) - self.num_cached
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: the cache is gone; everything is prefilled again on readmission."""
+        self.num_cached = 0
+        self.in_decode = False
+        self.status = SeqStatus.WAITING
+        self.counters.preemptions += 1
+
+
+@dataclass
+class RequestOutput:
+    request_id: Hashable
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    """Every token generated so far."""
+    text: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    """``stop`` (EOS, a stop token or a stop string), ``length``, ``abort`` or ``error``."""
+    error: str | None = None
+    counters: SeqCounters = field(default_factory=SeqCounters)
+    time_to_first_token: float | None = None
+    prompt_logits: torch.Tensor | None = None
+    """``[prompt_len, V]`` when SamplingParams.prompt_logits (set by LLMEngine.generate)."""
+    step_logits: torch.Tensor | None = None
+    """``[generated, V]`` when SamplingParams.return_logits (set by LLMEngine.generate)."""
