@@ -23,6 +23,7 @@ from engine.cache.pages import PagePool
 from engine.config import ConfigError, EngineConfig
 from engine.controller import SparseController
 from engine.lifecycle import MethodSpec, ModelShape
+from engine.methods import get_method_class
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import (ModelConfig, load_hf_config, load_tokenizer, parse_hf_config, read_safetensors,
                                  resolve_model_dir)
@@ -64,6 +65,8 @@ class LLMEngine:
         elif overrides:
             config = EngineConfig.from_dict({**config.to_dict(), **overrides})
         self.config = config
+        self.default_spec = MethodSpec(config.method, config.budget, config.budget_ratio, dict(config.method_args))
+        get_method_class(config.method)  # an unknown method fails before the model loads
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_dir = resolve_model_dir(config.model)
@@ -88,7 +91,6 @@ class LLMEngine:
         self.pool = PagePool(self._num_pages(), config.page_size, mc.head_dim, self.dtype, self.device)
         self.manager = CacheManager(self.pool, mc.num_layers, mc.num_kv_heads, config.max_num_seqs, self.max_model_len)
         self.controller = SparseController(self.shape, self.manager)
-        self.default_spec = MethodSpec(config.method, config.budget, config.budget_ratio, dict(config.method_args))
         self.controller.method_for(self.default_spec)  # a bad method setting fails here, not on the first request
         self.scheduler = Scheduler(config, self.manager, self.controller)
         self.backend = self._backend()
