@@ -152,3 +152,36 @@ def _snap_head(snap, layer, head):
     a = int(cnt[:i].sum())
     b = a + int(cnt[i])
     return snap.k[a:b, 0].tolist(), snap.pos[a:b].tolist()
+
+
+def test_eviction_copies_only_the_shared_pages_it_writes():
+    pool, mgr = make()
+    mgr.open("p")
+    fill(mgr, "p", 12)  # 3 full pages per head
+    mgr.fork("p", "c")
+    used = pool.num_used
+    # drop one token of the last page: only that page is rewritten, so only it is copied
+    mgr.evict("c", 0, [torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11])] * H)
+    c_pages, p_pages = mgr.tables[mgr.slot("c"), 0], mgr.tables[mgr.slot("p"), 0]
+    assert torch.equal(c_pages[:, :2], p_pages[:, :2])  # first two pages still shared
+    assert not (c_pages[:, 2] == p_pages[:, 2]).any()
+    assert pool.num_used == used + H
+    assert contents(mgr, "p", 0, 0)[1] == list(range(12))
+    assert contents(mgr, "c", 0, 0)[1] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11]
+    invariant(pool, mgr)
+
+
+def test_fork_of_a_prefix_shares_its_full_pages():
+    pool, mgr = make()
+    mgr.open("holder")
+    fill(mgr, "holder", 8)  # two full pages per head
+    mgr.fork("holder", "s1", num_pages=1)
+    mgr.fork("holder", "s2", num_pages=2)
+    assert mgr.seq_lengths("s1").eq(P).all() and mgr.seq_lengths("s2").eq(2 * P).all()
+    fill(mgr, "s1", 2, start=P)
+    assert contents(mgr, "s1", 1, 2)[1] == [0, 1, 2, 3, P, P + 1]
+    assert contents(mgr, "holder", 1, 2)[1] == list(range(8))
+    assert pool.num_used == L * H * 2 + L * H  # the prefix once, plus s1's own page
+    with pytest.raises(ValueError):
+        mgr.fork("s1", "s3", num_pages=2)
+    invariant(pool, mgr)

@@ -227,61 +227,75 @@ class CacheManager:
         cnt = torch.tensor(counts)
         new_np = ceil_div(cnt, P)
         table = self.tables[slots, layer, heads].long()  # [R, maxp]
-        page_no = torch.arange(self.max_pages)[None, :]
-        # a head whose surviving pages are shared (a fork) is compacted into fresh pages
-        kept_region = page_no < new_np[:, None]
-        shared = ((self.pool.refcount[table.clamp(min=0)] > 1) & kept_region & (table >= 0)).any(-1)
-        fresh_need = int(new_np[shared].sum())
-        free_before = self.pool.num_free
-        fresh = self.pool.alloc(fresh_need) if fresh_need else torch.empty(0, dtype=torch.int64)
-        new_table = table.clone()
-        if fresh_need:
-            sr = shared.nonzero(as_tuple=True)[0]
-            per = new_np[sr]
-            rows = torch.repeat_interleave(sr, per)
-            cols = torch.arange(fresh_need) - torch.repeat_interleave(torch.cumsum(per, 0) - per, per)
-            new_table[shared] = -1
-            new_table[rows, cols] = fresh
+        maxp = self.max_pages
+        page_no = torch.arange(maxp)[None, :]
+        tail = (table >= 0) & (page_no >= new_np[:, None])
 
-        # move kept tokens: source index -> destination index 0..cnt-1, per row
+        # kept token j of a row moves from its physical index to index j (stable compaction)
         idx = torch.cat(idx_parts)
         row = torch.repeat_interleave(torch.arange(len(counts)), cnt)
         dst_j = torch.arange(idx.numel()) - torch.repeat_interleave(torch.cumsum(cnt, 0) - cnt, cnt)
         src = table[row, idx // P] * P + idx % P
-        dst = new_table[row, dst_j // P] * P + dst_j % P
-        moved = src != dst
-        if bool(moved.any()):
-            src_d, dst_d = src[moved].to(self.device), dst[moved].to(self.device)
-            for buf in (self.pool.k, self.pool.v):
-                flat = buf.view(-1, buf.shape[-1])
-                flat[dst_d] = flat[src_d]
-            flat_pos = self.pool.pos.view(-1)
-            flat_pos[dst_d] = flat_pos[src_d]
+        dst_col = dst_j // P
+        moved = src != table[row, dst_col] * P + dst_j % P
+        w_row, w_col, src_m, dst_jm = row[moved], dst_col[moved], src[moved], dst_j[moved]
 
-        # pages no longer referenced by these rows
-        drop = (table >= 0) & ((page_no >= new_np[:, None]) | shared[:, None])
-        self.pool.decref(table[drop])
-        new_table[page_no.expand_as(new_table) >= new_np[:, None]] = -1
+        # pages written by the compaction that another owner (a fork, a shared prefix) still
+        # reads are copied first (copy-on-write per page); pages nobody writes stay shared
+        written = (w_row * maxp + w_col).unique()
+        wr, wc = written // maxp, written % maxp
+        free_before = self.pool.num_free
+        need = int((self.pool.refcount[table[wr, wc]] > 1).sum())
+        if need > self.pool.num_free + int(tail.sum()):
+            raise OutOfPages(f"compaction needs {need} copy-on-write pages, {self.pool.num_free} free")
+        dev = self.device
+        src_d = src_m.to(dev)
+        moved_kv = [buf.view(-1, buf.shape[-1])[src_d] for buf in (self.pool.k, self.pool.v)]
+        moved_pos = self.pool.pos.view(-1)[src_d]
+        self.pool.decref(table[tail])
+        new_table = table.clone()
+        new_table[tail] = -1
+        shared = self.pool.refcount[table[wr, wc]] > 1
+        if bool(shared.any()):
+            old = table[wr[shared], wc[shared]]
+            fresh = self.pool.alloc(old.numel())
+            self.pool.copy_pages(old, fresh)
+            new_table[wr[shared], wc[shared]] = fresh
+            self.pool.decref(old)
+        if src_m.numel():
+            dst_d = (new_table[w_row, w_col] * P + dst_jm % P).to(dev)
+            for buf, data in zip((self.pool.k, self.pool.v), moved_kv):
+                buf.view(-1, buf.shape[-1])[dst_d] = data
+            self.pool.pos.view(-1)[dst_d] = moved_pos
+
         self.tables[slots, layer, heads] = new_table.to(torch.int32)
         self.lengths[slots, layer, heads] = cnt.to(torch.int32)
         if self._mirrored:
-            dev = self.device
             self.tables_dev[slots.to(dev), layer, heads.to(dev)] = new_table.to(dev, torch.int32)
             self.lengths_dev[slots.to(dev), layer, heads.to(dev)] = cnt.to(dev, torch.int32)
         return self.pool.num_free - free_before
 
     # --- fork ------------------------------------------------------------------------------------
-    def fork(self, parent: Hashable, child: Hashable) -> None:
-        """``child`` shares every page of ``parent`` copy-on-write."""
+    def fork(self, parent: Hashable, child: Hashable, num_pages: int | None = None) -> None:
+        """``child`` shares ``parent``'s pages copy-on-write: all of them, or only each head's first
+        ``num_pages`` full pages (a shared prefix; the parent's heads must hold at least that many)."""
         ps = self.slot(parent)
+        if num_pages is not None:
+            have = self.lengths[ps]
+            if int(have.min()) < num_pages * self.page_size:
+                raise ValueError(f"{parent!r} holds fewer than {num_pages} full pages in some head")
         cs = self.open(child)
-        self.tables[cs] = self.tables[ps]
-        self.lengths[cs] = self.lengths[ps]
+        if num_pages is None:
+            self.tables[cs] = self.tables[ps]
+            self.lengths[cs] = self.lengths[ps]
+        else:
+            self.tables[cs, :, :, :num_pages] = self.tables[ps, :, :, :num_pages]
+            self.lengths[cs] = num_pages * self.page_size
         pages = self.tables[cs]
         self.pool.incref(pages[pages >= 0])
         if self._mirrored:
-            self.tables_dev[cs] = self.tables_dev[ps]
-            self.lengths_dev[cs] = self.lengths_dev[ps]
+            self.tables_dev[cs] = self.tables[cs].to(self.device)
+            self.lengths_dev[cs] = self.lengths[cs].to(self.device)
 
     # --- reading ---------------------------------------------------------------------------------
     def _flat_slots(self, slot: int, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
