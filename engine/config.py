@@ -41,6 +41,8 @@ class EngineConfig:
     # --- batching --------------------------------------------------------------------------------
     max_num_seqs: int = 64
     """Most sequences in the running batch."""
+    max_cached_seqs: int | None = None
+    """Cache slots: running sequences plus idle sessions kept on the GPU (default 4 x max_num_seqs)."""
     max_model_len: int | None = None
     """Longest sequence (prompt + output). Unset: the model's max_position_embeddings."""
     prefill_chunk_size: int = 512
@@ -57,6 +59,26 @@ class EngineConfig:
     """Fraction of the context kept per (layer, kv-head); an alternative to ``budget``."""
     method_args: dict[str, Any] = field(default_factory=dict)
     """The method's own parameters (its Params dataclass fields), e.g. ``{"n_sink": 4}``."""
+
+    # --- sessions: chain cache, shared prefixes, pruning ---------------------------------------
+    host_cache_gb: float = 4.0
+    """Host RAM for idle sessions demoted from the GPU pool; past it they keep only their history."""
+    prefix_sharing: bool = True
+    """Store a shared system prompt / tool schema once (block-hash index, copy-on-write pages)."""
+    prune_roles: list[str] = field(default_factory=lambda: ["tool"])
+    """Roles of history spans that Prefix-Cache Pruning may shrink."""
+    prune_lag: int | None = None
+    """Prune such spans once they are this many turns old (None: not by age)."""
+    prune_trigger_tokens: int | None = None
+    """Prune such spans longer than this many tokens at the end of their turn (None: not by size)."""
+    prune_policy: str = "drop"
+    """``drop`` the span's KV, or ``keep_ratio``: keep the tokens recent queries attend most."""
+    prune_keep_ratio: float = 0.25
+    """Fraction of a span's tokens ``keep_ratio`` keeps."""
+    prune_scope: str = "global"
+    """``global`` (one ranking per layer across kv-heads) or ``per_head``."""
+    prune_window: int = 32
+    """Recent queries kept per session to score ``keep_ratio`` pruning."""
 
     # --- kernels ---------------------------------------------------------------------------------
     attention_backend: str = "auto"
@@ -76,6 +98,19 @@ class EngineConfig:
                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= prefill_chunk_size ({self.prefill_chunk_size})")
         _check(self.attention_backend in ("auto", "reference", "triton"), f"attention_backend must be auto, reference or triton, not {self.attention_backend!r}")
         _check(isinstance(self.method_args, dict), "method_args must be a mapping of parameter name to value")
+        _check(self.max_cached_seqs is None or self.max_cached_seqs >= self.max_num_seqs,
+               f"max_cached_seqs ({self.max_cached_seqs}) must be >= max_num_seqs ({self.max_num_seqs})")
+        _check(self.host_cache_gb >= 0, f"host_cache_gb must be >= 0, not {self.host_cache_gb}")
+        if isinstance(self.prune_roles, str):
+            self.prune_roles = [r.strip() for r in self.prune_roles.split(",") if r.strip()]
+        _check(self.prune_lag is None or self.prune_lag >= 0, f"prune_lag must be >= 0, not {self.prune_lag}")
+        _check(self.prune_trigger_tokens is None or self.prune_trigger_tokens >= 1, "prune_trigger_tokens must be >= 1")
+        _check(self.prune_policy in ("drop", "keep_ratio"), f"prune_policy must be drop or keep_ratio, not {self.prune_policy!r}")
+        _check(0 <= self.prune_keep_ratio <= 1, f"prune_keep_ratio must be in [0, 1], not {self.prune_keep_ratio}")
+        _check(self.prune_scope in ("global", "per_head"), f"prune_scope must be global or per_head, not {self.prune_scope!r}")
+        _check(self.prune_window >= 1, f"prune_window must be >= 1, not {self.prune_window}")
+        if isinstance(self.prefix_sharing, str):
+            self.prefix_sharing = self.prefix_sharing.lower() in ("1", "true", "yes", "on")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":

@@ -32,6 +32,7 @@ class SparseController:
         self.manager = manager
         self._instances: dict[tuple, SparseMethod] = {}
         self._method_of: dict[SeqId, SparseMethod] = {}
+        self._protected: dict[SeqId, int] = {}
         self.evicted_pages = 0
         """Pages returned to the pool by method decisions (a counter for tests and metrics)."""
         self.evicted_tokens = 0
@@ -47,6 +48,8 @@ class SparseController:
     def admit(self, seq: SeqInfo, spec: MethodSpec) -> SparseMethod:
         method = self.method_for(spec)
         self._method_of[seq.seq_id] = method
+        if seq.protected_len:
+            self._protected[seq.seq_id] = seq.protected_len
         method.on_admit(seq)
         return method
 
@@ -55,12 +58,15 @@ class SparseController:
 
     def release(self, seq_id: SeqId) -> None:
         method = self._method_of.pop(seq_id, None)
+        self._protected.pop(seq_id, None)
         if method is not None:
             method.release(seq_id)
 
     def fork(self, seq_id: SeqId, child_id: SeqId) -> None:
         method = self._method_of[seq_id]
         self._method_of[child_id] = method
+        if seq_id in self._protected:
+            self._protected[child_id] = self._protected[seq_id]
         method.fork_state(seq_id, child_id)
 
     def state_dict(self, seq_id: SeqId) -> dict[str, Any]:
@@ -153,10 +159,22 @@ class SparseController:
             self._evict(layer, [(seq.seq_id, keep)])
 
     def _evict(self, layer: int, items) -> None:
+        if self._protected:
+            items = [(s, self._with_protected(s, layer, keep)) for s, keep in items]
         before = [int(self.manager.lengths[self.manager.slot(s), layer].sum()) for s, _ in items]
         self.evicted_pages += self.manager.evict_many(layer, items)
         after = [int(self.manager.lengths[self.manager.slot(s), layer].sum()) for s, _ in items]
         self.evicted_tokens += sum(before) - sum(after)
+
+
+    def _with_protected(self, seq_id: SeqId, layer: int, keep):
+        """A shared prefix stays: its tokens are the first ``protected`` of every head."""
+        n = self._protected.get(seq_id, 0)
+        if not n:
+            return keep
+        lengths = self.manager.lengths[self.manager.slot(seq_id), layer]
+        return [torch.cat([torch.arange(min(n, int(lengths[h]))), torch.as_tensor(k, dtype=torch.int64).reshape(-1).cpu()])
+                for h, k in enumerate(keep)]
 
 
 def _rows(batch: DecodeBatch, rows: list[int]) -> DecodeBatch:

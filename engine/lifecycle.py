@@ -95,6 +95,8 @@ class SeqInfo:
     seq_id: SeqId
     num_tokens: int
     """Logical tokens in the sequence so far (the whole history, prompt included)."""
+    protected_len: int = 0
+    """Leading tokens (a shared prefix) the controller never lets a method evict."""
 
 
 @dataclass

@@ -18,6 +18,7 @@ from typing import Any, Hashable, Iterable
 import torch
 
 from engine.attention.reference import ReferenceAttention
+from engine.chain import ChainCache, SessionError, Tier
 from engine.cache.manager import CacheManager
 from engine.cache.pages import PagePool
 from engine.config import ConfigError, EngineConfig
@@ -89,7 +90,8 @@ class LLMEngine:
         self.shape = ModelShape(num_layers=mc.num_layers, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
                                 head_dim=mc.head_dim, page_size=config.page_size)
         self.pool = PagePool(self._num_pages(), config.page_size, mc.head_dim, self.dtype, self.device)
-        self.manager = CacheManager(self.pool, mc.num_layers, mc.num_kv_heads, config.max_num_seqs, self.max_model_len)
+        slots = config.max_cached_seqs or 4 * config.max_num_seqs
+        self.manager = CacheManager(self.pool, mc.num_layers, mc.num_kv_heads, slots, self.max_model_len)
         self.controller = SparseController(self.shape, self.manager)
         self.controller.method_for(self.default_spec)  # a bad method setting fails here, not on the first request
         self.scheduler = Scheduler(config, self.manager, self.controller)
@@ -101,6 +103,8 @@ class LLMEngine:
         self._seqs: dict[Hashable, Sequence] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()
+        self.chains = ChainCache(self)
+        self.scheduler.chains = self.chains
 
     # --- setup ---------------------------------------------------------------------------------
     def _num_pages(self) -> int:
@@ -148,33 +152,99 @@ class LLMEngine:
     # --- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: Hashable | None = None, method: MethodSpec | None = None) -> Hashable:
+        """A one-shot request: its cache is freed when it finishes (see ``add_turn`` for sessions)."""
         params = params or SamplingParams()
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        request_id = next(self._ids) if request_id is None else request_id
+        if request_id in self._seqs or request_id in self.chains.chains:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        seq = self.new_sequence(request_id, token_ids, params, method or self.default_spec)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def new_sequence(self, seq_id: Hashable, token_ids: list[int], params: SamplingParams, spec: MethodSpec) -> Sequence:
+        """A validated Sequence (not yet queued)."""
+        self._check_tokens(token_ids, 0, params, spec)
+        return Sequence(seq_id, token_ids, params, spec, self.tokenizer, self._generator(params))
+
+    def restart_sequence(self, seq: Sequence, new_tokens: list[int], params: SamplingParams) -> None:
+        """Start a session's next turn on its (persistent) Sequence."""
+        self._check_tokens(new_tokens, seq.num_tokens, params, seq.spec)
+        seq.turn_start = seq.num_tokens
+        seq.token_ids.extend(new_tokens)
+        seq.prompt_len = seq.num_tokens
+        seq.params = params
+        seq.generator = self._generator(params)
+        seq.reset_turn(self.tokenizer)
+
+    def _check_tokens(self, token_ids: list[int], before: int, params: SamplingParams, spec: MethodSpec) -> None:
         if not token_ids:
             raise RequestError("the prompt is empty")
         vocab = self.model_config.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in token_ids):
             raise RequestError(f"token ids must be integers in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise RequestError(f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}")
-        request_id = next(self._ids) if request_id is None else request_id
-        if request_id in self._seqs:
-            raise RequestError(f"request id {request_id!r} is already in use")
-        spec = method or self.default_spec
+        n = before + len(token_ids)
+        if n >= self.max_model_len:
+            raise RequestError(f"the prompt has {n} tokens; max_model_len is {self.max_model_len}")
         m = self.controller.method_for(spec)  # raises MethodError for a bad spec
-        total = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        total = min(n + params.max_tokens, self.max_model_len)
         peak = min(total, m.kept_tokens(total) + self.config.prefill_chunk_size + 1)
         need = self.scheduler.fresh_pages(peak)
         if need > self.pool.num_pages:
             raise RequestError(f"this request needs up to {need} KV pages; the pool has {self.pool.num_pages}")
-        gen = None
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else self.config.seed + next(self._arrivals)
-            gen = torch.Generator().manual_seed(seed)
-        seq = Sequence(request_id, token_ids, params, spec, self.tokenizer, gen)
-        self._seqs[request_id] = seq
+
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        seed = params.seed if params.seed is not None else self.config.seed + next(self._arrivals)
+        return torch.Generator().manual_seed(seed)
+
+    def fingerprint(self) -> str:
+        """What KV computed here depends on: a snapshot from another fingerprint is recomputed."""
+        mc, cfg = self.model_config, self.config
+        return f"{self.model_dir.name}|{mc.architecture}|{mc.num_layers}x{mc.num_kv_heads}x{mc.head_dim}|{self.dtype}|p{cfg.page_size}"
+
+    # --- sessions (the Chain Cache) ----------------------------------------------------------------
+    def add_turn(self, session_id: Hashable, tokens: list[int], params: SamplingParams | None = None, *,
+                 role: str = "user", spans: list[tuple[int, int, str]] | None = None, method: MethodSpec | None = None,
+                 expected_turn_index: int | None = None, history: list[int] | None = None,
+                 shared_prefix: int = 0) -> Hashable:
+        """Run one turn of a session: ``tokens`` are appended to its history and only they are
+        prefilled, attending to the session's cached (possibly compressed) KV. Creates the session
+        on its first turn. ``history`` instead of ``tokens`` gives the whole history, which must
+        extend the session's. ``shared_prefix``: how many leading tokens of a first turn are a
+        prompt other sessions share (stored once). Outputs carry the request id ``session_id``."""
+        params = params or SamplingParams()
+        if session_id in self._seqs and session_id not in self.chains.chains:
+            raise RequestError(f"id {session_id!r} is in use by a one-shot request")
+        try:
+            seq = self.chains.start_turn(session_id, list(tokens), params, role=role, spans=spans, method=method,
+                                         expected_turn_index=expected_turn_index, history=history,
+                                         shared_prefix=shared_prefix)
+        except RequestError as e:
+            raise SessionError(str(e)) from None
+        self._seqs[session_id] = seq
         self.scheduler.add(seq)
-        return request_id
+        return session_id
+
+    def end_session(self, session_id: Hashable) -> None:
+        self.chains.end(session_id)
+
+    def fork_session(self, session_id: Hashable, child_id: Hashable) -> None:
+        self.chains.fork(session_id, child_id)
+
+    def session_info(self, session_id: Hashable) -> dict:
+        return self.chains.info(session_id)
+
+    def prune_history(self, session_id: Hashable, start: int, end: int, **policy) -> int:
+        return self.chains.prune(session_id, start, end, **policy)
+
+    def snapshot_session(self, session_id: Hashable, with_kv: bool = True):
+        return self.chains.snapshot(session_id, with_kv)
+
+    def load_session(self, snapshot, source: Tier = Tier.STORE) -> None:
+        self.chains.load(snapshot, source)
 
     def abort(self, request_id: Hashable) -> RequestOutput | None:
         seq = self._seqs.get(request_id)
@@ -196,7 +266,11 @@ class LLMEngine:
             self._finish(seq, "error")
             touched.append(seq)
         if not batch.empty:
-            result = self.runner.execute(batch)
+            windows = {s.seq_id: c.queries for s in _seqs_of(batch) if (c := self.chains.chains.get(s.seq_id)) and c.queries}
+            result = self.runner.execute(batch, windows)
+            for seq in _seqs_of(batch):
+                if seq.prefix_boundary:
+                    self.chains.after_step(seq)
             for sid, rows in result.prompt_logits.items():
                 self._seqs[sid].prompt_logits.append(rows.cpu())
             tokens = sample(result.logits, [s.params for s in result.sampling], [s.generator for s in result.sampling])
@@ -230,6 +304,14 @@ class LLMEngine:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self.scheduler.remove(seq)
+        if seq.seq_id in self.chains.chains:  # a session keeps its chain
+            if reason == "abort":
+                self.chains.abort_turn(seq)
+            elif reason == "error":
+                self.chains.fail_turn(seq)
+            else:
+                self.chains.finish_turn(seq)
+            return
         if self.manager.has(seq.seq_id):
             self.manager.release(seq.seq_id)
         self.controller.release(seq.seq_id)
@@ -246,6 +328,8 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             error=seq.error,
             counters=seq.counters,
+            source_tier=None if seq.source_tier is None else seq.source_tier.value,
+            turn_start=seq.turn_start,
             time_to_first_token=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
         )
         seq.pending_ids, seq.pending_text = [], ""
@@ -291,4 +375,11 @@ class LLMEngine:
             "forward_passes": self.runner.forward_passes,
             "evicted_pages": self.controller.evicted_pages,
             "evicted_tokens": self.controller.evicted_tokens,
+            "sessions": len(self.chains.chains),
+            "demotions": self.chains.demotions,
+            "prefix_holders": self.chains.prefixes.num_holders,
         }
+
+
+def _seqs_of(batch) -> list[Sequence]:
+    return list(batch.decode) + [s for s, _ in batch.prefill]

@@ -42,7 +42,7 @@ class ModelRunner:
         self.forward_passes = 0
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepResult:
+    def execute(self, batch: ScheduledBatch, query_windows: dict | None = None) -> StepResult:
         ids: list[int] = []
         positions: list[int] = []
         seq_ids, counts = [], []
@@ -67,7 +67,8 @@ class ModelRunner:
         attend = PagedAttention(self.manager, self.controller, self.backend, self.scale,
                                 decode_ids=[s.seq_id for s in batch.decode],
                                 decode_num_tokens=[s.num_cached + 1 for s in batch.decode],
-                                segments=segments, slot_mapping=slot_mapping, positions=pos_dev)
+                                segments=segments, slot_mapping=slot_mapping, positions=pos_dev,
+                                query_windows=query_windows)
 
         sampling = list(batch.decode)
         rows = list(range(len(batch.decode)))  # flattened tokens whose logits we compute

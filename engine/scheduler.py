@@ -48,6 +48,8 @@ class Scheduler:
         self.controller = controller
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.chains = None
+        """The engine's ChainCache, when sessions are on: it frees room by demoting idle sessions."""
         self.preemptions = 0
         L, H = manager.num_layers, manager.num_kv_heads
         self._pages_per_step = L * H  # the most pages one decode step of one sequence can take
@@ -72,19 +74,31 @@ class Scheduler:
         return self._pages_per_step * int(ceil_div(n, self.manager.page_size))
 
     # --- one step -----------------------------------------------------------------------------
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_to_feed, self.config.prefill_chunk_size, budget)
+        if seq.prefix_boundary > seq.num_cached:  # stop at a shared prefix's end (a holder is made there)
+            n = min(n, seq.prefix_boundary - seq.num_cached)
+        return n
+
+    def _room(self, need: int, reserved: int) -> bool:
+        """Is there room for ``need`` more pages? Idle sessions are demoted to make it."""
+        short = need - (self.manager.pool.num_free - reserved)
+        if short > 0 and self.chains is not None:
+            self.chains.reclaim(short)
+        return need <= self.manager.pool.num_free - reserved
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
-        chunk = self.config.prefill_chunk_size
         reserved = 0
         pool = self.manager.pool
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = 1 if seq.in_decode else min(seq.num_to_feed, chunk, budget)
+            n = 1 if seq.in_decode else self._chunk(seq, budget)
             need = self.manager.pages_for_append([seq.seq_id], [n])
-            while need > pool.num_free - reserved:
+            while not self._room(need, reserved):
                 victim = self.running[-1]
                 if victim is seq and i == 0:
                     # alone and still too large: it can never run in this pool
@@ -105,13 +119,18 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_to_feed, chunk, budget)
+            n = self._chunk(seq, budget)
             cached = self.manager.has(seq.seq_id)
+            restore = 0 if cached or self.chains is None else self.chains.restore_pages(seq, n)
             if not cached and self.manager.num_free_slots == 0:
-                break
-            need = self.manager.pages_for_append([seq.seq_id], [n]) if cached else self.fresh_pages(n)
+                if self.chains is None or not self.chains.reclaim_slot():
+                    break
+            if cached:
+                need = self.manager.pages_for_append([seq.seq_id], [n])
+            else:
+                need = restore or self.fresh_pages(n)
             reserve = self._pages_per_step * len(self.running)
-            if need + reserve > pool.num_free - reserved:
+            if not self._room(need + reserve, reserved):
                 if self.running:
                     break
                 if need > pool.num_free:  # nothing runs that could free pages: it never fits
@@ -120,8 +139,11 @@ class Scheduler:
                     continue
             self.waiting.popleft()
             if not cached:
-                self.manager.open(seq.seq_id)
-                self.controller.admit(SeqInfo(seq_id=seq.seq_id, num_tokens=seq.num_cached), seq.spec)
+                if restore:
+                    self.chains.restore(seq)
+                else:
+                    self.manager.open(seq.seq_id)
+                    self.controller.admit(SeqInfo(seq.seq_id, seq.num_cached, seq.protected_len), seq.spec)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             reserved += need
@@ -131,6 +153,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
+        if self.chains is not None:
+            self.chains.preempted(seq)
         self.manager.release(seq.seq_id)
         self.controller.release(seq.seq_id)
         seq.reset_for_recompute()

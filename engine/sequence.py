@@ -55,6 +55,15 @@ class Sequence:
         self.pending_text = ""
         """Text produced since the last RequestOutput."""
         self.pending_ids: list[int] = []
+        # sessions (engine/chain.py)
+        self.turn_start = 0
+        """History length when the current turn began (its first new token)."""
+        self.source_tier = None
+        self.protected_len = 0
+        """Leading tokens shared with other sessions (a prefix holder): never evicted."""
+        self.prefix_boundary = 0
+        """While > num_cached: prefill chunks stop here, so a prefix holder can be made at it."""
+        self.prefix_hashes: list[bytes] = []
         self.prompt_logits: list[torch.Tensor] = []  # per chunk, when params.prompt_logits
         self.step_logits: list[torch.Tensor] = []  # per sampled token, when params.return_logits
 
@@ -70,6 +79,25 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+    def reset_turn(self, tokenizer: Any) -> None:
+        """Per-turn state for a session's next turn (the history and cache stay)."""
+        self.status = SeqStatus.WAITING
+        self.in_decode = False
+        self.output_ids = []
+        self.detok = IncrementalDetokenizer(tokenizer, self.params.stop)
+        self.finish_reason = None
+        self.error = None
+        self.counters = SeqCounters(reused_tokens=self.num_cached)
+        self.arrival_time = time.monotonic()
+        self.first_token_time = None
+        self.pending_text, self.pending_ids = "", []
+        self.prompt_logits, self.step_logits = [], []
+
+    def finish_idle(self) -> None:
+        """A session's sequence between turns: nothing to run."""
+        self.status = SeqStatus.FINISHED
+        self.in_decode = False
 
     def reset_for_recompute(self) -> None:
         """Preempted: the cache is gone; everything is prefilled again on readmission."""
@@ -93,6 +121,10 @@ class RequestOutput:
     """``stop`` (EOS, a stop token or a stop string), ``length``, ``abort`` or ``error``."""
     error: str | None = None
     counters: SeqCounters = field(default_factory=SeqCounters)
+    source_tier: str | None = None
+    """Sessions: where the turn found its session (new, gpu, host, store, recompute)."""
+    turn_start: int = 0
+    """Sessions: history length before this turn."""
     time_to_first_token: float | None = None
     prompt_logits: torch.Tensor | None = None
     """``[prompt_len, V]`` when SamplingParams.prompt_logits (set by LLMEngine.generate)."""

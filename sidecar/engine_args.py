@@ -14,6 +14,7 @@ from engine.config import ConfigError, EngineConfig
 
 
 def _flag_type(hint) -> type:
+    """int, float and str flags as such; bools and lists are parsed by EngineConfig from text."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     base = args[0] if args else hint
     return base if base in (int, float, str) else str

@@ -39,7 +39,7 @@ class PrefillSegment:
 class PagedAttention:
     def __init__(self, manager: CacheManager, controller: SparseController, backend, scale: float,
                  decode_ids: list[Hashable], decode_num_tokens: list[int], segments: list[PrefillSegment],
-                 slot_mapping: torch.Tensor, positions: torch.Tensor):
+                 slot_mapping: torch.Tensor, positions: torch.Tensor, query_windows: dict | None = None):
         self.manager = manager
         self.controller = controller
         self.backend = backend
@@ -49,6 +49,9 @@ class PagedAttention:
         self.segments = segments
         self.slot_mapping = slot_mapping  # [L, N, H]
         self.positions = positions  # [N] on device
+        self.query_windows = query_windows or {}
+        """seq_id -> QueryWindow: sessions whose recent queries are kept (they score pruning)."""
+        self._recorded_rows = [(i, self.query_windows[s]) for i, s in enumerate(decode_ids) if s in self.query_windows]
         device = manager.device
         self._decode_slots = torch.tensor([manager.slot(s) for s in decode_ids], dtype=torch.long)
         self._decode_slots_dev = self._decode_slots.to(device)
@@ -65,6 +68,10 @@ class PagedAttention:
         for seg in self.segments:
             s, e = seg.offset, seg.offset + seg.length
             out[s:e] = self._prefill(layer, seg, q[s:e], k[s:e], v[s:e])
+            if seg.seq_id in self.query_windows:
+                self.query_windows[seg.seq_id].push(layer, q[s:e])
+        for i, window in self._recorded_rows:
+            window.push(layer, q[i : i + 1])
         return out
 
     def _view(self, slots_host: torch.Tensor, slots_dev: torch.Tensor, layer: int, sel: Selection | None) -> AttentionView:
