@@ -83,6 +83,8 @@ class EngineConfig:
     # --- kernels ---------------------------------------------------------------------------------
     attention_backend: str = "auto"
     """``auto``, ``reference`` (plain torch) or ``triton`` (GPU)."""
+    cuda_graphs: bool = True
+    """Run decode steps that need no per-layer method hooks as CUDA graphs (GPU, triton backend)."""
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
@@ -109,8 +111,9 @@ class EngineConfig:
         _check(0 <= self.prune_keep_ratio <= 1, f"prune_keep_ratio must be in [0, 1], not {self.prune_keep_ratio}")
         _check(self.prune_scope in ("global", "per_head"), f"prune_scope must be global or per_head, not {self.prune_scope!r}")
         _check(self.prune_window >= 1, f"prune_window must be >= 1, not {self.prune_window}")
-        if isinstance(self.prefix_sharing, str):
-            self.prefix_sharing = self.prefix_sharing.lower() in ("1", "true", "yes", "on")
+        for name in ("prefix_sharing", "cuda_graphs"):
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, getattr(self, name).lower() in ("1", "true", "yes", "on"))
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":

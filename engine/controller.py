@@ -103,6 +103,14 @@ class SparseController:
             rows[id(m)].append(i)
         return [(methods[k], rows[k]) for k in rows]
 
+    def decode_hooks_due(self, seq_ids: Sequence[SeqId], lengths: torch.Tensor) -> bool:
+        """Does any method in the batch act on this decode step (``lengths`` ``[B, L, H]``, host)?"""
+        for m, rows in self.group(seq_ids):
+            if m.needs_decode_probs or _overrides(m, "decode_view") or _overrides(m, "after_decode"):
+                if m.decode_hooks_due([seq_ids[i] for i in rows], lengths[rows]):
+                    return True
+        return False
+
     def decode_needs_probs(self, groups) -> bool:
         return any(m.needs_decode_probs for m, _ in groups)
 

@@ -214,6 +214,12 @@ class SparseMethod:
     def after_decode(self, layer: int, batch: DecodeBatch) -> Mapping[SeqId, Keep] | None:
         return None
 
+    def decode_hooks_due(self, seq_ids: Sequence[SeqId], lengths: torch.Tensor) -> bool:
+        """Must this decode step call ``decode_view`` / ``after_decode``? ``lengths`` ``[B, L, H]``
+        (host) are the physical tokens per head once the step's token is in. A method that acts on
+        decode only now and then answers False in between, so the step can run as a CUDA graph."""
+        return True
+
     def on_turn_end(self, seq: SeqInfo, spans: Sequence[Span]) -> Mapping[int, Keep] | None:
         """Keep decisions per layer for one sequence at the end of a turn (None: nothing)."""
         return None

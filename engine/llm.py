@@ -23,7 +23,7 @@ from engine.cache.manager import CacheManager
 from engine.cache.pages import PagePool
 from engine.config import ConfigError, EngineConfig
 from engine.controller import SparseController
-from engine.lifecycle import MethodSpec, ModelShape
+from engine.lifecycle import MethodSpec, ModelShape, SeqInfo
 from engine.methods import get_method_class
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import (ModelConfig, load_hf_config, load_tokenizer, parse_hf_config, read_safetensors,
@@ -70,7 +70,7 @@ class LLMEngine:
         get_method_class(config.method)  # an unknown method fails before the model loads
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model_dir = resolve_model_dir(config.model)
+        self.model_dir = resolve_model_dir(config.model, need_weights=not random_weights)
         self.hf_config = load_hf_config(self.model_dir)
         self.model_config: ModelConfig = parse_hf_config(self.hf_config)
         mc = self.model_config
@@ -96,7 +96,12 @@ class LLMEngine:
         self.controller.method_for(self.default_spec)  # a bad method setting fails here, not on the first request
         self.scheduler = Scheduler(config, self.manager, self.controller)
         self.backend = self._backend()
-        self.runner = ModelRunner(self.model, self.manager, self.controller, self.backend)
+        graphs = None
+        if self.device.type == "cuda" and config.cuda_graphs and self.backend.name == "triton":
+            from engine.cuda_graphs import DecodeGraphs
+
+            graphs = DecodeGraphs(self.model, self.manager, config.max_num_seqs, self.backend.num_sms)
+        self.runner = ModelRunner(self.model, self.manager, self.controller, self.backend, graphs)
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -132,7 +137,7 @@ class LLMEngine:
                 if name == "triton":
                     raise ConfigError("attention_backend triton needs Triton and a CUDA device") from None
             else:
-                return TritonPagedAttention()
+                return TritonPagedAttention(self.device)
         return ReferenceAttention()
 
     # --- text --------------------------------------------------------------------------------------
@@ -245,6 +250,35 @@ class LLMEngine:
 
     def load_session(self, snapshot, source: Tier = Tier.STORE) -> None:
         self.chains.load(snapshot, source)
+
+    def add_prefilled_request(self, num_tokens: int, kv_tokens: int | torch.Tensor, params: SamplingParams,
+                              method: MethodSpec | None = None, seed: int = 0) -> Hashable:
+        """Benchmarks: a request already past a ``num_tokens`` prefill whose cache holds
+        ``kv_tokens`` per (layer, kv-head) (an int, or ``[L, H]`` for per-head budgets) of
+        synthetic KV (whatever the pool's pages hold). It decodes from the next step on."""
+        gen = torch.Generator().manual_seed(seed)
+        history = torch.randint(0, self.model_config.vocab_size, (num_tokens,), generator=gen).tolist()
+        rid = next(self._ids)
+        seq = self.new_sequence(rid, history, params, method or self.default_spec)
+        kv = torch.as_tensor(kv_tokens).expand(self.shape.num_layers, self.shape.num_kv_heads)
+        most = int(kv.max())
+        if most > num_tokens - 1:
+            raise RequestError("kv_tokens cannot exceed the tokens already prefilled")
+        need = self.scheduler.fresh_pages(most)
+        if need > self.pool.num_free or self.manager.num_free_slots == 0:
+            raise RequestError(f"no room for another prefilled request ({need} pages, {self.pool.num_free} free)")
+        self.manager.open(rid)
+        self.manager.append([rid], [most], torch.arange(num_tokens - 1 - most, num_tokens - 1))
+        if int(kv.min()) < most:  # per-head budgets: trim each head to its own count
+            for layer in range(self.shape.num_layers):
+                self.manager.evict(rid, layer, [torch.arange(int(n)) for n in kv[layer]])
+        self.controller.admit(SeqInfo(rid, num_tokens - 1), seq.spec)
+        seq.num_cached = num_tokens - 1
+        seq.in_decode = True
+        seq.status = SeqStatus.RUNNING
+        self.scheduler.running.append(seq)
+        self._seqs[rid] = seq
+        return rid
 
     def abort(self, request_id: Hashable) -> RequestOutput | None:
         seq = self._seqs.get(request_id)
@@ -373,6 +407,7 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.preemptions,
             "forward_passes": self.runner.forward_passes,
+            "graph_steps": self.runner.graph_steps,
             "evicted_pages": self.controller.evicted_pages,
             "evicted_tokens": self.controller.evicted_tokens,
             "sessions": len(self.chains.chains),

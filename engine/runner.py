@@ -32,17 +32,48 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, manager: CacheManager, controller: SparseController, backend):
+    def __init__(self, model: LlamaForCausalLM, manager: CacheManager, controller: SparseController, backend,
+                 graphs=None):
         self.model = model
         self.manager = manager
         self.controller = controller
         self.backend = backend
+        self.graphs = graphs
+        """DecodeGraphs (GPU): decode steps that need no method hooks replay a CUDA graph."""
         self.device = manager.device
         self.scale = model.cfg.head_dim ** -0.5
         self.forward_passes = 0
+        self.graph_steps = 0
+
+    def _graph_ok(self, batch: ScheduledBatch, query_windows) -> bool:
+        if self.graphs is None or batch.prefill or not batch.decode or len(batch.decode) > self.graphs.max_batch:
+            return False
+        ids = [s.seq_id for s in batch.decode]
+        if query_windows and any(i in query_windows for i in ids):
+            return False
+        slots = torch.tensor([self.manager.slot(i) for i in ids])
+        return not self.controller.decode_hooks_due(ids, self.manager.lengths[slots] + 1)
+
+    @torch.inference_mode()
+    def _execute_graph(self, batch: ScheduledBatch) -> StepResult:
+        seqs = batch.decode
+        ids = [s.seq_id for s in seqs]
+        positions = torch.tensor([s.num_cached for s in seqs], dtype=torch.long)
+        slot_mapping = self.manager.append(ids, [1] * len(seqs), positions)
+        rows = torch.tensor([self.manager.slot(i) for i in ids], dtype=torch.int32)
+        tokens = torch.tensor([s.token_ids[s.num_cached] for s in seqs], dtype=torch.long)
+        dev = self.device
+        logits = self.graphs.run(tokens.to(dev), positions.to(dev), rows.to(dev), slot_mapping)
+        for s in seqs:
+            s.num_cached += 1
+        self.forward_passes += 1
+        self.graph_steps += 1
+        return StepResult(sampling=list(seqs), logits=logits, prompt_logits={})
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, query_windows: dict | None = None) -> StepResult:
+        if self._graph_ok(batch, query_windows):
+            return self._execute_graph(batch)
         ids: list[int] = []
         positions: list[int] = []
         seq_ids, counts = [], []

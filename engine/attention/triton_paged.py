@@ -40,6 +40,7 @@ def _decode_partial_kernel(
     scale,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     BLOCK_T: tl.constexpr, SPLITS: tl.constexpr, HAS_SEL: tl.constexpr, WRITE_SCORES: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -77,7 +78,7 @@ def _decode_partial_kernel(
         valid = in_list & (tok < length)
         off = page[:, None] * (P * D) + (t % P)[:, None] * D + d[None, :]
         k = tl.load(K + off, mask=valid[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * scale
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         qk = tl.where(valid[None, :], qk, float("-inf"))
         if WRITE_SCORES:
             sp = Scores + b * stride_scb + (h * G + g)[:, None] * stride_sch + tok[None, :]
@@ -87,7 +88,7 @@ def _decode_partial_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(qk - m_safe[:, None])
         v = tl.load(V + off, mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     hq = h * G + g
@@ -161,7 +162,8 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
                  lengths: torch.Tensor, rows: torch.Tensor, scale: float, *, splits: int,
                  selected: torch.Tensor | None = None, selected_count: torch.Tensor | None = None,
                  scores: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                 workspace: tuple | None = None, block_t: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 workspace: tuple | None = None, block_t: int | None = None, num_warps: int = 4,
+                 num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention for ``q`` ``[B, Hq, D]``; ``tables`` ``[R, H, *]`` and ``lengths`` ``[R, H]``
     are read at row ``rows[b]`` (any strides). Returns out ``[B, Hq, D]`` and lse ``[B, Hq]``; fills
     ``scores`` ``[B, Hq, T]`` (pre-filled with -inf) with raw logits when given."""
@@ -193,7 +195,9 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
         sc, sc.stride(0) if scores is not None else 0, sc.stride(1) if scores is not None else 0,
         scale,
         H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, P=P, BLOCK_T=BT, SPLITS=splits,
-        HAS_SEL=has_sel, WRITE_SCORES=scores is not None, num_warps=4, num_stages=2,
+        HAS_SEL=has_sel, WRITE_SCORES=scores is not None,
+        PREC="ieee" if k_pool.dtype == torch.float32 else "tf32",  # float32 pools (parity tests) stay exact
+        num_warps=num_warps, num_stages=num_stages,
     )
     _decode_reduce_kernel[(B * Hq,)](acc, mx, sm, out, lse, SPLITS=splits, SP=max(2, triton.next_power_of_2(splits)), D=D)
     return out, lse

@@ -114,8 +114,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("CHAINKV_CACHE", Path.home() / ".cache" / "chainkv"))
 
 
-def resolve_model_dir(model: str | None) -> Path:
-    """Turn ``--model`` into an HF folder on disk, converting GGUF files once."""
+def resolve_model_dir(model: str | None, need_weights: bool = True) -> Path:
+    """Turn ``--model`` into an HF folder on disk, converting GGUF files once. ``need_weights``
+    False accepts a folder with only config.json (random-weight benchmarks)."""
     if not model or model == DEFAULT_MODEL:
         return _smollm2_dir()
     path = Path(model).expanduser()
@@ -129,7 +130,7 @@ def resolve_model_dir(model: str | None) -> Path:
         raise ModelLoadError(f"model path {path} is a file; give an HF folder or a .gguf file")
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json; an HF model folder needs config.json and *.safetensors")
-    if not list(path.glob("*.safetensors")):
+    if need_weights and not list(path.glob("*.safetensors")):
         raise ModelLoadError(f"{path} has no *.safetensors weights")
     return path
 
