@@ -43,8 +43,8 @@ class GraphDecodeAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         pool, mgr = self.manager.pool, self.manager
-        store_kv(pool.k, pool.v, self.slot_mapping[layer], k.contiguous(), v.contiguous())
-        out, _ = paged_decode(q.contiguous(), pool.k, pool.v, mgr.tables_dev[:, layer], mgr.lengths_dev[:, layer],
+        store_kv(pool.k, pool.v, self.slot_mapping[layer], k, v)
+        out, _ = paged_decode(q, pool.k, pool.v, mgr.tables_dev[:, layer], mgr.lengths_dev[:, layer],
                               self.rows, self.scale, splits=self.splits)
         return out
 

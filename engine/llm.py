@@ -354,7 +354,7 @@ class LLMEngine:
         out = RequestOutput(
             request_id=seq.seq_id,
             prompt_token_ids=seq.token_ids[: seq.prompt_len],
-            token_ids=list(seq.output_ids),
+            token_ids=seq.output_ids,
             text=seq.detok.text,
             new_token_ids=seq.pending_ids,
             new_text=seq.pending_text,

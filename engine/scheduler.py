@@ -93,29 +93,35 @@ class Scheduler:
         reserved = 0
         pool = self.manager.pool
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        plan = []  # (sequence, tokens) for every running sequence this step's token budget reaches
+        for seq in self.running:
+            if budget <= 0:
+                break
             n = 1 if seq.in_decode else self._chunk(seq, budget)
-            need = self.manager.pages_for_append([seq.seq_id], [n])
+            plan.append((seq, n))
+            budget -= n
+        needs = self.manager.pages_for_append_each([s.seq_id for s, _ in plan], [n for _, n in plan]).tolist() if plan else []
+        dropped: set[int] = set()
+        for (seq, n), need in zip(plan, needs):
+            if id(seq) in dropped:
+                continue
             while not self._room(need, reserved):
                 victim = self.running[-1]
-                if victim is seq and i == 0:
+                if victim is seq and self.running[0] is seq:
                     # alone and still too large: it can never run in this pool
                     self.running.pop()
                     batch.failed.append((seq, f"the KV pool ({pool.num_pages} pages) cannot hold this sequence"))
-                    seq = None
+                    dropped.add(id(seq))
                     break
                 self._preempt(victim, batch)
+                dropped.add(id(victim))
+                budget += next((m for s2, m in plan if s2 is victim), 0)
                 if victim is seq:
-                    seq = None
                     break
-            if seq is None:
+            if id(seq) in dropped:
                 continue
             reserved += need
-            budget -= n
             (batch.decode.append(seq) if seq.in_decode else batch.prefill.append((seq, n)))
-            i += 1
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]

@@ -112,7 +112,8 @@ class RequestOutput:
     request_id: Hashable
     prompt_token_ids: list[int]
     token_ids: list[int]
-    """Every token generated so far."""
+    """Every token generated so far (while the request runs, the engine's live list: copy it to keep
+    a snapshot; a finished request's list no longer changes)."""
     text: str
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""

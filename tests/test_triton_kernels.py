@@ -135,3 +135,37 @@ def test_store_and_move_tokens():
     scatter_tokens(pool, dst, data)
     assert torch.equal(pool.k.view(-1, D)[dst], k.reshape(-1, D)[:10])
     assert torch.equal(pool.pos.view(-1)[dst], torch.arange(10, dtype=torch.int32, device=DEV))
+
+
+def test_fused_decoder_ops_match_torch():
+    from engine.model import ops
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 96, generator=g).to(DEV, DTYPE)
+    r = torch.randn(7, 96, generator=g).to(DEV, DTYPE)
+    w = torch.randn(96, generator=g).to(DEV, DTYPE)
+    out, res = ops._add_rms_norm_triton(x, r, w, 1e-5)
+    ref_res = x + r
+    ref = w * (ref_res.float() * torch.rsqrt(ref_res.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(DTYPE)
+    assert rel_err(res, ref_res) < TOL and rel_err(out, ref) < TOL
+    out2, same = ops._add_rms_norm_triton(x, None, w, 1e-5)
+    assert same is x and rel_err(out2, w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(DTYPE)) < TOL
+
+    N, HQ, HK, D = 5, 8, 2, 64
+    qkv = torch.randn(N, (HQ + 2 * HK) * D, generator=g).to(DEV, DTYPE)
+    q, k, v = qkv.split([HQ * D, HK * D, HK * D], dim=-1)
+    q, k = q.view(N, HQ, D), k.view(N, HK, D)
+    pos = torch.tensor([0, 3, 17, 100, 5], device=DEV)
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    ang = torch.arange(128).float()[:, None] * inv[None, :]
+    cos, sin = torch.cat([ang, ang], -1).cos().to(DEV), torch.cat([ang, ang], -1).sin().to(DEV)
+    ref_q, ref_k = (t.clone() for t in (q, k))
+    c, s = cos[pos].to(DTYPE)[:, None], sin[pos].to(DTYPE)[:, None]
+    half = lambda t: torch.cat([-t[..., D // 2:], t[..., : D // 2]], -1)  # noqa: E731
+    ref_q, ref_k = ref_q * c + half(ref_q) * s, ref_k * c + half(ref_k) * s
+    ops._rope_triton(q, k, pos, cos, sin)  # in place, through the strided views
+    assert rel_err(q, ref_q) < TOL and rel_err(k, ref_k) < TOL
+
+    gu = torch.randn(4, 2 * 300, generator=g).to(DEV, DTYPE)
+    ref = torch.nn.functional.silu(gu[:, :300]) * gu[:, 300:]
+    assert rel_err(ops._silu_mul_triton(gu), ref) < TOL

@@ -117,15 +117,19 @@ def _decode_reduce_kernel(Acc, Mx, Sm, Out, Lse, SPLITS: tl.constexpr, SP: tl.co
 
 
 @triton.jit
-def _store_kv_kernel(Knew, Vnew, Slots, K, V, n_rows, D: tl.constexpr, BLOCK_R: tl.constexpr):
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+def _store_kv_kernel(Knew, Vnew, Slots, K, V, n_rows, stride_kn, stride_kh, stride_vn, stride_vh,
+                     H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # r = token * H + head
     rmask = r < n_rows
     d = tl.arange(0, D)
     slot = tl.load(Slots + r, mask=rmask, other=0).to(tl.int64)
-    src = r.to(tl.int64)[:, None] * D + d[None, :]
+    n = (r // H).to(tl.int64)
+    h = (r % H).to(tl.int64)
     dst = slot[:, None] * D + d[None, :]
-    tl.store(K + dst, tl.load(Knew + src, mask=rmask[:, None]), mask=rmask[:, None])
-    tl.store(V + dst, tl.load(Vnew + src, mask=rmask[:, None]), mask=rmask[:, None])
+    k = tl.load(Knew + n[:, None] * stride_kn + h[:, None] * stride_kh + d[None, :], mask=rmask[:, None])
+    v = tl.load(Vnew + n[:, None] * stride_vn + h[:, None] * stride_vh + d[None, :], mask=rmask[:, None])
+    tl.store(K + dst, k, mask=rmask[:, None])
+    tl.store(V + dst, v, mask=rmask[:, None])
 
 
 @triton.jit
@@ -153,9 +157,10 @@ def _scatter_tokens_kernel(K, V, Pos, Dst, Kin, Vin, Pin, n, D: tl.constexpr, BL
 
 
 def num_splits(batch_heads: int, max_tokens: int, num_sms: int, block_t: int) -> int:
-    """Enough programs to fill the chip (about four per SM), never more splits than blocks."""
-    want = max(1, (4 * num_sms) // max(1, batch_heads))
-    return int(max(1, min(want, triton.cdiv(max(max_tokens, 1), block_t), 128)))
+    """Enough programs to keep every SM's memory pipes busy (about eight per SM), never more
+    splits than blocks of tokens."""
+    want = triton.cdiv(8 * num_sms, max(1, batch_heads))
+    return int(max(1, min(want, triton.cdiv(max(max_tokens, 1), block_t), 256)))
 
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
@@ -204,14 +209,16 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
 
 
 def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Write ``k``, ``v`` ``[N, H, D]`` at flat token slots ``[N, H]`` of the pools."""
-    D = k.shape[-1]
-    n = slots.numel()
+    """Write ``k``, ``v`` ``[N, H, D]`` (any token/head strides, e.g. views into the QKV output)
+    at flat token slots ``[N, H]`` of the pools."""
+    N, H, D = k.shape
+    n = N * H
     if n == 0:
         return
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and slots.is_contiguous()
     BLOCK_R = 16
-    _store_kv_kernel[(triton.cdiv(n, BLOCK_R),)](k.reshape(n, D), v.reshape(n, D), slots.reshape(-1),
-                                                  k_pool, v_pool, n, D=D, BLOCK_R=BLOCK_R)
+    _store_kv_kernel[(triton.cdiv(n, BLOCK_R),)](k, v, slots, k_pool, v_pool, n, k.stride(0), k.stride(1),
+                                                  v.stride(0), v.stride(1), H=H, D=D, BLOCK_R=BLOCK_R)
 
 
 class TritonPagedAttention:
@@ -224,7 +231,7 @@ class TritonPagedAttention:
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
     def store_kv(self, pool: PagePool, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        store_kv(pool.k, pool.v, slots, k.to(pool.dtype).contiguous(), v.to(pool.dtype).contiguous())
+        store_kv(pool.k, pool.v, slots.contiguous(), k.to(pool.dtype), v.to(pool.dtype))
 
     def decode(self, pool: PagePool, view: AttentionView, q: torch.Tensor, scale: float,
                want_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

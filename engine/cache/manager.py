@@ -112,13 +112,15 @@ class CacheManager:
 
     def pages_for_append(self, seq_ids: Sequence[Hashable], counts: Sequence[int]) -> int:
         """Pages that appending ``counts[i]`` tokens to every head of ``seq_ids[i]`` would take."""
-        if not seq_ids:
-            return 0
-        slots = torch.tensor([self.slot(s) for s in seq_ids])
+        return int(self.pages_for_append_each(seq_ids, counts).sum()) if seq_ids else 0
+
+    def pages_for_append_each(self, seq_ids: Sequence[Hashable], counts: Sequence[int]) -> torch.Tensor:
+        """The same, per sequence (``[B]``), in one vectorised pass."""
+        slots = torch.tensor([self.slot(s) for s in seq_ids], dtype=torch.long)
         n = torch.tensor(counts, dtype=torch.int32)[:, None, None]
         old = self.lengths[slots]
-        need = int((ceil_div(old + n, self.page_size) - ceil_div(old, self.page_size)).sum())
-        return need + int(self._shared_partial(slots, old, n).sum())
+        need = ceil_div(old + n, self.page_size) - ceil_div(old, self.page_size)
+        return (need + self._shared_partial(slots, old, n)).sum(dim=(1, 2))
 
     def _shared_partial(self, slots: torch.Tensor, old: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         """[B, L, H]: heads whose partly filled last page is shared and is about to be written."""
@@ -186,7 +188,7 @@ class CacheManager:
         flat_dev = flat.to(self.device)
         pos = positions.to(device=self.device, dtype=torch.int32)
         self.pool.pos.view(-1)[flat_dev.reshape(-1)] = pos[:, None, None].expand(flat.shape).reshape(-1)
-        return flat_dev.permute(1, 0, 2)
+        return flat_dev.permute(1, 0, 2).contiguous()
 
     def _set_pages(self, slots: torch.Tensor, layers: torch.Tensor, heads: torch.Tensor, pages: torch.Tensor,
                    ids: torch.Tensor) -> None:
@@ -203,25 +205,38 @@ class CacheManager:
     def evict_many(self, layer: int, items: Sequence[tuple[Hashable, Keep]]) -> int:
         """Evict in one layer of several sequences at once; returns the pages freed (net)."""
         P, H = self.page_size, self.num_kv_heads
-        row_slot, idx_parts, counts = [], [], []
         if len({seq_id for seq_id, _ in items}) != len(items):
             raise ValueError("evict_many got the same sequence twice")
+        row_slot, idx_parts, counts = [], [], []
         for seq_id, keep in items:
             s = self.slot(seq_id)
-            heads = list(keep) if not isinstance(keep, torch.Tensor) or keep.dim() == 2 else None
-            if heads is None or len(heads) != H:
+            if isinstance(keep, torch.Tensor) and keep.dim() == 2:
+                if keep.shape[0] != H:
+                    raise ValueError(f"keep must give one index list per kv-head ({H}), got shape {tuple(keep.shape)}")
+                heads = list(keep.cpu().to(torch.int64))
+            elif not isinstance(keep, torch.Tensor) and len(keep) == H:
+                heads = [torch.as_tensor(k, dtype=torch.int64).reshape(-1).cpu() for k in keep]
+            else:
                 raise ValueError(f"keep must give one index list per kv-head ({H}), got {type(keep).__name__}")
-            old = self.lengths[s, layer]
-            for h, k in enumerate(heads):
-                k = torch.as_tensor(k, dtype=torch.int64).reshape(-1).cpu()
-                k = torch.unique(k)  # sorted, no repeats
-                if k.numel() and (int(k[0]) < 0 or int(k[-1]) >= int(old[h])):
-                    raise IndexError(f"keep index out of range for {seq_id!r} layer {layer} head {h} (length {int(old[h])})")
-                row_slot.append(s)
-                idx_parts.append(k)
-                counts.append(k.numel())
+            row_slot.extend([s] * H)
+            idx_parts.extend(heads)
+            counts.extend(k.numel() for k in heads)
         if not row_slot:
             return 0
+        # validate and sort every row at once: key = row * stride + index
+        lens = self.lengths[torch.tensor(row_slot), layer, torch.arange(H).repeat(len(items))].long()
+        cnt0 = torch.tensor(counts)
+        cat = torch.cat(idx_parts) if idx_parts else torch.empty(0, dtype=torch.int64)
+        row_of = torch.repeat_interleave(torch.arange(len(counts)), cnt0)
+        if cat.numel() and (bool((cat < 0).any()) or bool((cat >= lens[row_of]).any())):
+            bad = int(row_of[(cat < 0) | (cat >= lens[row_of])][0])
+            raise IndexError(f"keep index out of range for {items[bad // H][0]!r} layer {layer} head {bad % H} "
+                             f"(length {int(lens[bad])})")
+        stride = self.max_pages * P
+        keys = torch.unique(row_of * stride + cat)  # sorted; repeats dropped
+        row_u = keys // stride
+        idx_parts = [keys % stride]
+        counts = torch.bincount(row_u, minlength=len(counts)).tolist()
         slots = torch.tensor(row_slot)
         heads = torch.arange(H).repeat(len(items))
         cnt = torch.tensor(counts)

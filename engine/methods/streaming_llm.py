@@ -47,6 +47,8 @@ class StreamingLLM(SparseMethod):
         budget = self.budget_for(num_tokens)
         if int(lengths.max()) <= budget + slack:
             return None
+        if bool((lengths == lengths[0]).all()):  # the usual case: every head holds the same tokens
+            return recent_and_sink(int(lengths[0]), self.params.n_sink, budget).expand(len(lengths), -1)
         return [recent_and_sink(int(n), self.params.n_sink, budget) for n in lengths]
 
     def after_prefill_chunk(self, layer: int, chunk: PrefillChunk):
@@ -58,9 +60,12 @@ class StreamingLLM(SparseMethod):
         return int(lengths.max()) > self.spec.budget + self.params.slack
 
     def after_decode(self, layer: int, batch: DecodeBatch):
+        rows = range(len(batch.seq_ids))
+        if self.spec.budget is not None:  # only the rows past budget + slack
+            rows = (batch.lengths.max(-1).values > self.spec.budget + self.params.slack).nonzero().flatten().tolist()
         out = {}
-        for i, seq_id in enumerate(batch.seq_ids):
+        for i in rows:
             keep = self._keep(batch.lengths[i], batch.num_tokens[i], self.params.slack)
             if keep is not None:
-                out[seq_id] = keep
+                out[batch.seq_ids[i]] = keep
         return out

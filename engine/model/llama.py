@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model import ops
 from engine.model.loader import ModelConfig, ModelLoadError
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -28,11 +29,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)``."""
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_tables(hf_config: Any, head_dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,11 +56,6 @@ def rope_tables(hf_config: Any, head_dim: int, max_len: int) -> tuple[torch.Tens
     return emb.cos() * scaling, emb.sin() * scaling
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype=None, device=None):
         super().__init__()
@@ -77,23 +73,25 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, **f)
         self.split = (q_size, kv_size, kv_size)
 
-    def forward(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+    def forward(self, layer: int, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer on (the previous layer's output, the residual stream): returns both for the next."""
         cfg = self.cfg
         n = x.shape[0]
-        h = self.input_layernorm(x)
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
         q, k, v = self.qkv_proj(h).split(self.split, dim=-1)
         q = q.view(n, cfg.num_heads, cfg.head_dim)
         k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = ops.rope(q, k, positions, cos, sin)
         attn = attend(layer, q, k, v)
-        x = x + self.o_proj(attn.reshape(n, -1))
-        h = self.post_attention_layernorm(x)
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        h, residual = self.post_attention_layernorm(self.o_proj(attn.reshape(n, -1)), residual)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(h))), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -141,14 +139,13 @@ class LlamaForCausalLM(nn.Module):
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for the tokens at ``logits_indices`` (all tokens when None)."""
         x = self.embed_tokens(input_ids)
-        dtype = x.dtype
-        cos = self.rope_cos[positions].to(dtype)[:, None, :]
-        sin = self.rope_sin[positions].to(dtype)[:, None, :]
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(i, x, cos, sin, attend)
+            x, residual = layer(i, x, residual, positions, self.rope_cos, self.rope_sin, attend)
         if logits_indices is not None:
-            x = x[logits_indices]
-        return F.linear(self.norm(x), self.lm_head_weight).float()
+            x, residual = x[logits_indices], residual[logits_indices]
+        h, _ = self.norm(x, residual)
+        return F.linear(h, self.lm_head_weight).float()
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy HF-named tensors into our (fused) parameters; every parameter must be filled."""
