@@ -128,7 +128,8 @@ class CacheManager:
         if not bool(partial.any()):
             return partial
         last_idx = ((old - 1).clamp(min=0) // self.page_size).long()
-        last = self.tables[slots].gather(-1, last_idx[..., None])[..., 0]
+        # index the one entry per head (tables[slots] would copy every slot's whole table)
+        last = self.tables[slots[:, None, None], self._arange_l[None, :, None], self._arange_h[None, None, :], last_idx]
         return partial & (self.pool.refcount[last.clamp(min=0).long()] > 1)
 
     # --- append ---------------------------------------------------------------------------------
@@ -241,8 +242,8 @@ class CacheManager:
         heads = torch.arange(H).repeat(len(items))
         cnt = torch.tensor(counts)
         new_np = ceil_div(cnt, P)
-        table = self.tables[slots, layer, heads].long()  # [R, maxp]
-        maxp = self.max_pages
+        maxp = max(1, int(ceil_div(int(lens.max()), P)))  # only the columns in use (past them: -1)
+        table = self.tables[slots, layer, heads, :maxp].long()  # [R, maxp]
         page_no = torch.arange(maxp)[None, :]
         tail = (table >= 0) & (page_no >= new_np[:, None])
 
@@ -283,10 +284,10 @@ class CacheManager:
                 buf.view(-1, buf.shape[-1])[dst_d] = data
             self.pool.pos.view(-1)[dst_d] = moved_pos
 
-        self.tables[slots, layer, heads] = new_table.to(torch.int32)
+        self.tables[slots, layer, heads, :maxp] = new_table.to(torch.int32)
         self.lengths[slots, layer, heads] = cnt.to(torch.int32)
         if self._mirrored:
-            self.tables_dev[slots.to(dev), layer, heads.to(dev)] = new_table.to(dev, torch.int32)
+            self.tables_dev[slots.to(dev), layer, heads.to(dev), :maxp] = new_table.to(dev, torch.int32)
             self.lengths_dev[slots.to(dev), layer, heads.to(dev)] = cnt.to(dev, torch.int32)
         return self.pool.num_free - free_before
 
