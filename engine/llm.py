@@ -353,7 +353,7 @@ class LLMEngine:
     def _output(self, seq: Sequence) -> RequestOutput:
         out = RequestOutput(
             request_id=seq.seq_id,
-            prompt_token_ids=seq.token_ids[: seq.prompt_len],
+            prompt_token_ids=seq.token_ids[: seq.prompt_len] if seq.finished else [],
             token_ids=seq.output_ids,
             text=seq.detok.text,
             new_token_ids=seq.pending_ids,

@@ -111,6 +111,8 @@ class Sequence:
 class RequestOutput:
     request_id: Hashable
     prompt_token_ids: list[int]
+    """The prompt (for a session turn: the whole history before the reply); in the final output only
+    (copying a long history into every streamed output would cost O(history) per token)."""
     token_ids: list[int]
     """Every token generated so far (while the request runs, the engine's live list: copy it to keep
     a snapshot; a finished request's list no longer changes)."""

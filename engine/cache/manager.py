@@ -125,12 +125,18 @@ class CacheManager:
     def _shared_partial(self, slots: torch.Tensor, old: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         """[B, L, H]: heads whose partly filled last page is shared and is about to be written."""
         partial = (old % self.page_size != 0) & (n > 0)
-        if not bool(partial.any()):
-            return partial
+        if not self.pool.has_shared or not bool(partial.any()):
+            return partial & False
         last_idx = ((old - 1).clamp(min=0) // self.page_size).long()
-        # index the one entry per head (tables[slots] would copy every slot's whole table)
-        last = self.tables[slots[:, None, None], self._arange_l[None, :, None], self._arange_h[None, None, :], last_idx]
+        last = self._table_entries(slots, last_idx)
         return partial & (self.pool.refcount[last.clamp(min=0).long()] > 1)
+
+    def _table_entries(self, slots: torch.Tensor, page_idx: torch.Tensor) -> torch.Tensor:
+        """``tables[slots[b], l, h, page_idx[b, l, h]]`` as one flat gather (``[B, L, H]``); indexing
+        ``tables[slots]`` instead would copy each slot's whole table."""
+        L, H, M = self.num_layers, self.num_kv_heads, self.max_pages
+        row = (slots.long()[:, None, None] * L + self._arange_l[None, :, None]) * H + self._arange_h[None, None, :]
+        return self.tables.view(-1)[row * M + page_idx]
 
     # --- append ---------------------------------------------------------------------------------
     def append(self, seq_ids: Sequence[Hashable], counts: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
@@ -184,7 +190,7 @@ class CacheManager:
         seq_start = torch.cumsum(torch.tensor(n_list), 0) - torch.tensor(n_list)
         tok_j = torch.arange(tok_b.numel()) - seq_start[tok_b]
         idx = old[tok_b].long() + tok_j[:, None, None]  # [N, L, H]
-        page = self.tables[slots[tok_b][:, None, None], self._arange_l[None, :, None], self._arange_h[None, None, :], idx // P]
+        page = self._table_entries(slots[tok_b], idx // P)
         flat = page.long() * P + idx % P
         flat_dev = flat.to(self.device)
         pos = positions.to(device=self.device, dtype=torch.int32)

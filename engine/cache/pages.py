@@ -35,6 +35,7 @@ class PagePool:
         self._free = torch.arange(num_pages - 1, -1, -1, dtype=torch.int64)
         self._top = num_pages
         self.refcount = torch.zeros(num_pages, dtype=torch.int32)
+        self._total_refs = 0  # sum of reference counts: more than the pages in use means some are shared
 
     # --- accounting --------------------------------------------------------------------------
     @property
@@ -44,6 +45,11 @@ class PagePool:
     @property
     def num_used(self) -> int:
         return self.num_pages - self._top
+
+    @property
+    def has_shared(self) -> bool:
+        """Is any page referenced more than once (a fork or a shared prefix)? O(1)."""
+        return self._total_refs > self.num_used
 
     @property
     def bytes_per_page(self) -> int:
@@ -63,11 +69,13 @@ class PagePool:
         ids = self._free[self._top - n : self._top].flip(0).clone()
         self._top -= n
         self.refcount[ids] = 1
+        self._total_refs += n
         return ids
 
     def incref(self, ids: torch.Tensor) -> None:
         ids = ids.reshape(-1).to(torch.int64)
         self.refcount.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        self._total_refs += ids.numel()
 
     def decref(self, ids: torch.Tensor) -> int:
         """Drop one reference per id (ids may repeat); returns how many pages became free."""
@@ -75,6 +83,7 @@ class PagePool:
         if ids.numel() == 0:
             return 0
         self.refcount.index_add_(0, ids, torch.full_like(ids, -1, dtype=torch.int32))
+        self._total_refs -= ids.numel()
         touched = ids.unique()
         counts = self.refcount[touched]
         if bool((counts < 0).any()):
