@@ -85,6 +85,9 @@ class EngineConfig:
     """``auto``, ``reference`` (plain torch) or ``triton`` (GPU)."""
     cuda_graphs: bool = True
     """Run decode steps that need no per-layer method hooks as CUDA graphs (GPU, triton backend)."""
+    async_decode: bool = True
+    """Overlap the host's work for the next decode step with the GPU's current one (greedy
+    CUDA-graph decoding); tokens reach the outputs one step later."""
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
@@ -111,7 +114,7 @@ class EngineConfig:
         _check(0 <= self.prune_keep_ratio <= 1, f"prune_keep_ratio must be in [0, 1], not {self.prune_keep_ratio}")
         _check(self.prune_scope in ("global", "per_head"), f"prune_scope must be global or per_head, not {self.prune_scope!r}")
         _check(self.prune_window >= 1, f"prune_window must be >= 1, not {self.prune_window}")
-        for name in ("prefix_sharing", "cuda_graphs"):
+        for name in ("prefix_sharing", "cuda_graphs", "async_decode"):
             if isinstance(getattr(self, name), str):
                 setattr(self, name, getattr(self, name).lower() in ("1", "true", "yes", "on"))
 

@@ -31,7 +31,7 @@ from engine.model.loader import (ModelConfig, load_hf_config, load_tokenizer, pa
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import Scheduler
-from engine.sequence import RequestOutput, Sequence, SeqStatus
+from engine.sequence import PENDING, RequestOutput, Sequence, SeqStatus
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.chains = ChainCache(self)
         self.scheduler.chains = self.chains
+        self._inflight = None  # a launched decode step whose tokens are not read yet (see step)
 
     # --- setup ---------------------------------------------------------------------------------
     def _num_pages(self) -> int:
@@ -288,17 +289,37 @@ class LLMEngine:
         return self._output(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
 
     # --- stepping -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass; outputs for every request that produced tokens or finished."""
-        batch = self.scheduler.schedule()
+        """Run one forward pass; outputs for every request that produced tokens or finished.
+
+        In steady greedy decoding on the GPU the engine runs one step ahead: it launches step t,
+        then reads and processes the tokens of step t-1 while the GPU works (their outputs arrive
+        one call later). Any other step first completes the step in flight."""
         touched: list[Sequence] = []
+        overlap = self._overlap_ok()
+        if not overlap and self._inflight is not None:
+            touched += self._complete(self._inflight)
+            self._inflight = None
+        batch = self.scheduler.schedule()
         for seq, reason in batch.failed:
             seq.error = reason
             self._finish(seq, "error")
             touched.append(seq)
+        if overlap and not batch.empty and self.runner.graph_ok(batch, None):
+            launched = self.runner.launch_decode(batch, self._inflight)
+            for seq in batch.decode:
+                seq.token_ids.append(PENDING)  # its value arrives when this step completes
+            previous, self._inflight = self._inflight, launched
+            if previous is not None:
+                touched += self._complete(previous)
+            return [self._output(s) for s in touched]
+        if self._inflight is not None:  # the batch needs the tokens still in flight
+            touched += self._complete(self._inflight)
+            self._inflight = None
+            batch.decode = [s for s in batch.decode if not s.finished]
         if not batch.empty:
             windows = {s.seq_id: c.queries for s in _seqs_of(batch) if (c := self.chains.chains.get(s.seq_id)) and c.queries}
             result = self.runner.execute(batch, windows)
@@ -316,10 +337,36 @@ class LLMEngine:
                 touched.append(seq)
         return [self._output(s) for s in touched]
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+    def _overlap_ok(self) -> bool:
+        """Can the next step run ahead of its predecessor's tokens? Steady greedy decoding only."""
+        if self.runner.graphs is None or not self.config.async_decode:
+            return False
+        s = self.scheduler
+        if s.waiting or not s.running:
+            return False
+        chains = self.chains.chains
+        return all(q.in_decode and q.params.greedy and not q.params.return_logits
+                   and not (q.seq_id in chains and chains[q.seq_id].queries is not None) for q in s.running)
+
+    def _complete(self, inflight) -> list[Sequence]:
+        """Wait for a launched step's tokens and take them in (stop checks, text, outputs)."""
+        tokens = inflight.tokens.tolist()  # waits for that step only
+        now = time.monotonic()
+        done = []
+        for seq, serial, at, tok in zip(inflight.seqs, inflight.serials, inflight.slots, tokens):
+            if seq.finished or seq.turn_serial != serial or at >= len(seq.token_ids) or seq.token_ids[at] != PENDING:
+                continue  # it finished (or was restarted) meanwhile: this token is past its end
+            self._append_token(seq, tok, now, at=at)
+            done.append(seq)
+        return done
+
+    def _append_token(self, seq: Sequence, token: int, now: float, at: int | None = None) -> None:
         if seq.first_token_time is None:
             seq.first_token_time = now
-        seq.token_ids.append(token)
+        if at is None:
+            seq.token_ids.append(token)
+        else:
+            seq.token_ids[at] = token
         seq.output_ids.append(token)
         seq.pending_ids.append(token)
         seq.in_decode = True
@@ -330,10 +377,13 @@ class LLMEngine:
             seq.pending_text += seq.detok.push(token)
         if is_stop or seq.detok.stopped_on is not None:
             self._finish(seq, "stop")
-        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif len(seq.output_ids) >= p.max_tokens or len(seq.output_ids) + seq.prompt_len >= self.max_model_len:
             self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        while seq.token_ids and seq.token_ids[-1] == PENDING:  # a step launched past the end
+            seq.token_ids.pop()
+        seq.num_cached = min(seq.num_cached, len(seq.token_ids))
         seq.pending_text += seq.detok.flush()
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

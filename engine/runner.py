@@ -31,6 +31,16 @@ class StepResult:
     """seq_id -> ``[n, V]`` logits of every token of this step's chunk (when asked for)."""
 
 
+@dataclass
+class InFlight:
+    """A decode step launched ahead: row i is ``seqs[i]``, whose token lands at ``token_ids[slots[i]]``."""
+
+    seqs: list[Sequence]
+    serials: list[int]
+    slots: list[int]
+    tokens: torch.Tensor  # [B] on the device
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, manager: CacheManager, controller: SparseController, backend,
                  graphs=None):
@@ -45,7 +55,7 @@ class ModelRunner:
         self.forward_passes = 0
         self.graph_steps = 0
 
-    def _graph_ok(self, batch: ScheduledBatch, query_windows) -> bool:
+    def graph_ok(self, batch: ScheduledBatch, query_windows) -> bool:
         if self.graphs is None or batch.prefill or not batch.decode or len(batch.decode) > self.graphs.max_batch:
             return False
         ids = [s.seq_id for s in batch.decode]
@@ -55,24 +65,36 @@ class ModelRunner:
         return not self.controller.decode_hooks_due(ids, self.manager.lengths[slots] + 1)
 
     @torch.inference_mode()
-    def _execute_graph(self, batch: ScheduledBatch) -> StepResult:
+    def _execute_graph(self, batch: ScheduledBatch, previous: InFlight | None = None) -> StepResult:
         seqs = batch.decode
         ids = [s.seq_id for s in seqs]
         positions = torch.tensor([s.num_cached for s in seqs], dtype=torch.long)
         slot_mapping = self.manager.append(ids, [1] * len(seqs), positions)
         rows = torch.tensor([self.manager.slot(i) for i in ids], dtype=torch.int32)
-        tokens = torch.tensor([s.token_ids[s.num_cached] for s in seqs], dtype=torch.long)
         dev = self.device
-        logits = self.graphs.run(tokens.to(dev), positions.to(dev), rows.to(dev), slot_mapping)
+        tokens = torch.tensor([s.token_ids[s.num_cached] for s in seqs], dtype=torch.long).to(dev)
+        if previous is not None:  # tokens still on the GPU come straight from the step before
+            row_of = {id(s): i for i, s in enumerate(previous.seqs)}
+            src = torch.tensor([row_of.get(id(s), 0) for s in seqs], dtype=torch.long).to(dev)
+            tokens = torch.where(tokens >= 0, tokens, previous.tokens[src])
+        logits = self.graphs.run(tokens, positions.to(dev), rows.to(dev), slot_mapping)
         for s in seqs:
             s.num_cached += 1
         self.forward_passes += 1
         self.graph_steps += 1
         return StepResult(sampling=list(seqs), logits=logits, prompt_logits={})
 
+    def launch_decode(self, batch: ScheduledBatch, previous: InFlight | None) -> InFlight:
+        """A greedy decode step launched without waiting: its tokens stay on the GPU until read."""
+        seqs = list(batch.decode)
+        result = self._execute_graph(batch, previous)
+        tokens = result.logits.argmax(-1)
+        return InFlight(seqs=seqs, serials=[s.turn_serial for s in seqs], slots=[len(s.token_ids) for s in seqs],
+                        tokens=tokens)
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, query_windows: dict | None = None) -> StepResult:
-        if self._graph_ok(batch, query_windows):
+        if self.graph_ok(batch, query_windows):
             return self._execute_graph(batch)
         ids: list[int] = []
         positions: list[int] = []

@@ -14,6 +14,10 @@ from engine.lifecycle import MethodSpec
 from engine.sampling import SamplingParams
 
 
+PENDING = -1
+"""A token id whose value is still on the GPU (a decode step launched ahead; see LLMEngine.step)."""
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -50,6 +54,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.counters = SeqCounters(reused_tokens=num_cached)
+        self.turn_serial = 0
+        """Bumped every turn, so a token launched for an earlier turn is recognised as stale."""
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.pending_text = ""
@@ -84,6 +90,7 @@ class Sequence:
         """Per-turn state for a session's next turn (the history and cache stay)."""
         self.status = SeqStatus.WAITING
         self.in_decode = False
+        self.turn_serial += 1
         self.output_ids = []
         self.detok = IncrementalDetokenizer(tokenizer, self.params.stop)
         self.finish_reason = None
