@@ -350,7 +350,7 @@ class LLMEngine:
 
     def _complete(self, inflight) -> list[Sequence]:
         """Wait for a launched step's tokens and take them in (stop checks, text, outputs)."""
-        tokens = inflight.tokens.tolist()  # waits for that step only
+        tokens = inflight.read()  # waits for that step only, not for the one launched after it
         now = time.monotonic()
         done = []
         for seq, serial, at, tok in zip(inflight.seqs, inflight.serials, inflight.slots, tokens):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.paged import PagedAttention, PrefillSegment
-from engine.cache.manager import CacheManager
+from engine.cache.manager import CacheManager, to_device
 from engine.controller import SparseController
 from engine.model.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledBatch
@@ -38,7 +38,13 @@ class InFlight:
     seqs: list[Sequence]
     serials: list[int]
     slots: list[int]
-    tokens: torch.Tensor  # [B] on the device
+    tokens: torch.Tensor  # [B] on the device (the next step's inputs)
+    host_tokens: torch.Tensor  # [B] pinned host copy, valid once ``done`` has completed
+    done: "torch.cuda.Event"
+
+    def read(self) -> list[int]:
+        self.done.synchronize()
+        return self.host_tokens.tolist()
 
 
 class ModelRunner:
@@ -72,12 +78,12 @@ class ModelRunner:
         slot_mapping = self.manager.append(ids, [1] * len(seqs), positions)
         rows = torch.tensor([self.manager.slot(i) for i in ids], dtype=torch.int32)
         dev = self.device
-        tokens = torch.tensor([s.token_ids[s.num_cached] for s in seqs], dtype=torch.long).to(dev)
+        tokens = to_device(torch.tensor([s.token_ids[s.num_cached] for s in seqs], dtype=torch.long), dev)
         if previous is not None:  # tokens still on the GPU come straight from the step before
             row_of = {id(s): i for i, s in enumerate(previous.seqs)}
-            src = torch.tensor([row_of.get(id(s), 0) for s in seqs], dtype=torch.long).to(dev)
+            src = to_device(torch.tensor([row_of.get(id(s), 0) for s in seqs], dtype=torch.long), dev)
             tokens = torch.where(tokens >= 0, tokens, previous.tokens[src])
-        logits = self.graphs.run(tokens, positions.to(dev), rows.to(dev), slot_mapping)
+        logits = self.graphs.run(tokens, to_device(positions, dev), to_device(rows, dev), slot_mapping)
         for s in seqs:
             s.num_cached += 1
         self.forward_passes += 1
@@ -89,8 +95,12 @@ class ModelRunner:
         seqs = list(batch.decode)
         result = self._execute_graph(batch, previous)
         tokens = result.logits.argmax(-1)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)  # queued now, so reading it waits for this step only
+        done = torch.cuda.Event()
+        done.record()
         return InFlight(seqs=seqs, serials=[s.turn_serial for s in seqs], slots=[len(s.token_ids) for s in seqs],
-                        tokens=tokens)
+                        tokens=tokens, host_tokens=host, done=done)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, query_windows: dict | None = None) -> StepResult:

@@ -75,8 +75,8 @@ def test_gpu_streaming_eviction_and_sessions(tiny_models):
     gpu_out = engine.generate([prompt], params, method=spec)[0]
     cpu_out = cpu.generate([prompt], params, method=spec)[0]
     eager_out = eager.generate([prompt], params, method=spec)[0]
-    assert_same_decoding(gpu_out, cpu_out)
-    assert_same_decoding(gpu_out, eager_out)
+    assert_same_decoding(gpu_out, eager_out)  # same kernels: graphs + one-step-ahead vs eager
+    assert_same_decoding(gpu_out, cpu_out, tol=1e-2)  # float32 on two devices: ~1e-3 apart
     assert engine.runner.graph_steps > 0 and engine.controller.evicted_pages > 0
     # device mirrors of the page tables agree with the host tables after all that eviction
     assert torch.equal(engine.manager.tables_dev.cpu(), engine.manager.tables)

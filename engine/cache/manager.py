@@ -28,6 +28,14 @@ def ceil_div(a: torch.Tensor | int, b: int):
     return (a + b - 1) // b
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without making the host wait: a copy from pageable memory would first wait
+    for all work queued on the stream (the decode step in flight); a pinned one is queued behind it."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class KVSnapshot:
     """A sequence's physical KV on the host: tokens listed layer by layer, head by head."""
@@ -183,7 +191,7 @@ class CacheManager:
 
         self.lengths[slots] = new
         if self._mirrored:
-            self.lengths_dev[slots.to(self.device)] = new.to(self.device)
+            self.lengths_dev[to_device(slots, self.device)] = to_device(new, self.device)
 
         # slot mapping: token j of sequence b lands at physical index old[b, l, h] + j
         tok_b = torch.repeat_interleave(torch.arange(len(n_list)), torch.tensor(n_list))
@@ -192,8 +200,8 @@ class CacheManager:
         idx = old[tok_b].long() + tok_j[:, None, None]  # [N, L, H]
         page = self._table_entries(slots[tok_b], idx // P)
         flat = page.long() * P + idx % P
-        flat_dev = flat.to(self.device)
-        pos = positions.to(device=self.device, dtype=torch.int32)
+        flat_dev = to_device(flat, self.device)
+        pos = to_device(positions.to(torch.int32), self.device)
         self.pool.pos.view(-1)[flat_dev.reshape(-1)] = pos[:, None, None].expand(flat.shape).reshape(-1)
         return flat_dev.permute(1, 0, 2).contiguous()
 
@@ -202,7 +210,8 @@ class CacheManager:
         self.tables[slots, layers, heads, pages] = ids.to(torch.int32)
         if self._mirrored:
             dev = self.device
-            self.tables_dev[slots.to(dev), layers.to(dev), heads.to(dev), pages.to(dev)] = ids.to(dev, torch.int32)
+            index = to_device(torch.stack([slots, layers, heads, pages]).long(), dev)
+            self.tables_dev[index[0], index[1], index[2], index[3]] = to_device(ids.to(torch.int32), dev)
 
     # --- evict ---------------------------------------------------------------------------------
     def evict(self, seq_id: Hashable, layer: int, keep: Keep) -> int:
