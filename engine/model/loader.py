@@ -12,10 +12,13 @@ cached safetensors folder under ``$CHAINKV_CACHE`` (default ``~/.cache/chainkv``
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,24 +173,32 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     tensors = {name: t.contiguous().to(torch.float32) for name, t in parsed["tensors"].items()}
     if hf_config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", suffix=".tmp", dir=out_dir.parent))
     save_file(tensors, str(tmp / "model.safetensors"))
     hf_config.save_pretrained(tmp)
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tok.save_pretrained(tmp)
     (tmp / ".converted").write_text(_gguf_stamp(gguf_path))
+    # another process may be reading (or converting into) out_dir: move the old folder aside in one
+    # rename, then put ours in place in another; a loser of a race keeps the winner's (same) result
+    old = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
     if out_dir.exists():
-        import shutil
-
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+        out_dir.rename(old)
+    try:
+        tmp.rename(out_dir)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 
 def _gguf_stamp(path: Path) -> str:
-    st = path.stat()
-    return json.dumps({"file": path.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+    """Identifies the file's content, not its install: every fresh install of the same package
+    (a new venv, CI) finds the conversion it already has."""
+    with open(path, "rb") as f:
+        head = hashlib.sha256(f.read(1 << 22)).hexdigest()
+    return json.dumps({"file": path.name, "size": path.stat().st_size, "sha256_head": head})
 
 
 def load_hf_config(model_dir: Path) -> Any:
