@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +103,7 @@ class ChatRenderer:
             raise ChatError("the model has no chat template; the sidecar needs one")
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
+        self._lock = threading.Lock()  # the tokenizer is shared by the threads that render turns
         self._probe_text = self._render(_PROBE, None, False)
         at = self._probe_text.rfind(_A)
         if at < 0:
@@ -125,6 +127,15 @@ class ChatRenderer:
     def first_turn(self, messages: list[dict], tools: list[ToolSpec] | None = None,
                    shared_prefix_messages: int | None = None) -> RenderedTurn:
         """A new session's first turn: the messages (and tools) rendered as a whole conversation."""
+        with self._lock:
+            return self._first_turn(messages, tools, shared_prefix_messages)
+
+    def continuation(self, messages: list[dict], history_ends_with_eot: bool) -> RenderedTurn:
+        """The next turn of a session whose history ends with a generated reply."""
+        with self._lock:
+            return self._continuation(messages, history_ends_with_eot)
+
+    def _first_turn(self, messages, tools, shared_prefix_messages) -> RenderedTurn:
         messages = self._check(messages)
         tool_dicts = [t.openai() for t in tools] if tools else None
         if tool_dicts and not self.template_takes_tools:
@@ -138,8 +149,7 @@ class ChatRenderer:
         n_shared = shared_prefix_messages if shared_prefix_messages is not None else _leading_system(messages)
         return self._tokens(text, cuts, messages, n_shared)
 
-    def continuation(self, messages: list[dict], history_ends_with_eot: bool) -> RenderedTurn:
-        """The next turn of a session whose history ends with a generated reply."""
+    def _continuation(self, messages: list[dict], history_ends_with_eot: bool) -> RenderedTurn:
         messages = [self._plain(m) for m in self._check(messages)]
         full = self._render(_PROBE + messages, None, True)
         prefixes = self._cuts(full, messages, lambda k: self._render(_PROBE + messages[:k], None, False),

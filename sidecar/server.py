@@ -38,6 +38,7 @@ from engine.chain import (ContextFull, SessionBusy, SessionError, SessionExists,
 from engine.config import ConfigError
 from engine.lifecycle import MethodError
 from engine.llm import CapacityError, LLMEngine, RequestError
+from engine.model.loader import load_tokenizer
 from engine.sampling import SamplingError
 from engine.sequence import RequestOutput
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
@@ -48,7 +49,7 @@ from sidecar.protocol import (FINISH, TIERS, InvalidRequest, Limits, parse_turn,
                               stored_session_proto, tool_call_proto)
 from sidecar.sessions import BadSessionId, Session, SessionManager, check_id, scoped_key
 from sidecar.snapshots import SnapshotWriter
-from sidecar.store import SessionStore, StoreError, StoreUnavailable
+from sidecar.store import SessionStore, StoreUnavailable
 from sidecar.tool_calls import ToolCallParser
 
 log = logging.getLogger(__name__)
@@ -527,7 +528,8 @@ class SidecarServer:
         self.options = options or ServerOptions()
         self.store = store
         self.hooks = hooks or ServerHooks()
-        self.renderer = ChatRenderer(engine.tokenizer, engine.eos_token_ids)
+        # its own tokenizer: rendering runs on worker threads while the engine thread detokenizes
+        self.renderer = ChatRenderer(load_tokenizer(engine.model_dir) or engine.tokenizer, engine.eos_token_ids)
         self.draining = False
         self.port: int | None = None
         self._stopped: asyncio.Event | None = None

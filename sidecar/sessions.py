@@ -332,9 +332,5 @@ class SessionManager:
         return len(victims)
 
 
-def describe_error(e: BaseException) -> str:
-    return str(e) or type(e).__name__
-
-
 __all__ = ["BadSessionId", "Running", "Session", "SessionError", "SessionManager", "StoreBehind", "check_id",
            "scoped_key"]

@@ -29,7 +29,7 @@ from sidecar.store import GenerationConflict, SessionStore, StoredSession, Store
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.engine_loop import EngineLoop
-    from sidecar.sessions import Session, SessionManager
+    from sidecar.sessions import SessionManager
 
 log = logging.getLogger(__name__)
 

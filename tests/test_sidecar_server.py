@@ -319,6 +319,21 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(local, smol_
     assert serving(channel)
 
 
+def test_demo_runs_a_session_against_the_sidecar(local):
+    import io
+
+    from sidecar.demo import calculate, run_demo
+
+    server, _, _ = local
+    assert calculate("37 * (40 + 1)") == "1517" and calculate("__import__('os')").startswith("error")
+    out = io.StringIO()
+    assert run_demo(f"127.0.0.1:{server.server.port}", "demo", max_tokens=12, token="tok-alpha", out=out) == 0
+    text = out.getvalue()
+    assert text.count("[turn ") >= 3 and "from new" in text and "from gpu" in text
+    assert "tool call" in text  # either a tool round trip or the note that the model answered directly
+    assert "session: " in text and server.server.sessions.local("alpha/demo") is None  # ended
+
+
 def test_redis_down_turns_still_run_snapshot_pending_then_written(local, replicas, redis_proc):
     server, stub, channel = local
     _, b = replicas
