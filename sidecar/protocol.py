@@ -136,7 +136,8 @@ def tool_call_proto(turn_index: int, k: int, name: str, arguments_json: str) -> 
     return pb.ToolCall(id=f"call_{turn_index}_{k}", name=name, arguments_json=arguments_json)
 
 
-def session_proto(session_id: str, info: dict[str, Any], s: Session | None, tier: str | None = None) -> pb.Session:
+def session_proto(session_id: str, info: dict[str, Any], s: Session | None, tier: str | None = None,
+                  has_store: bool = True) -> pb.Session:
     m = info.get("method")
     out = pb.Session(session_id=session_id, state=STATES.get(info["state"], pb.SESSION_STATE_UNSPECIFIED),
                      turn_index=info["turn_index"], generation=info["generation"], history_tokens=info["num_tokens"],
@@ -151,7 +152,7 @@ def session_proto(session_id: str, info: dict[str, Any], s: Session | None, tier
     tier = tier or STATE_TIERS.get(info["state"])
     if tier:
         out.source_tier = TIERS[tier]
-    if s is not None:
+    if s is not None and has_store:
         out.committed_generation = -1 if s.committed_generation is None else s.committed_generation
         if s.stale:
             out.snapshot_state = pb.SNAPSHOT_STATE_CONFLICT

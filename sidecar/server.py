@@ -392,7 +392,7 @@ class SidecarService:
         if not s.in_engine:
             raise SessionNotFound(f"no session {request.session_id!r}")
         info = await self.loop_.call(self.engine.session_info, key)
-        return session_proto(request.session_id, info, s, _tier(s, info))
+        return session_proto(request.session_id, info, s, _tier(s, info), self.srv.store is not None)
 
     async def GetSession(self, request, context):
         return await self._unary("GetSession", self._get_session, request, context)
@@ -405,7 +405,7 @@ class SidecarService:
             info = await self.loop_.call(self.engine.session_info, key)
             if s.busy:
                 info["state"] = "active"
-            return session_proto(request.session_id, info, s, _tier(s, info))
+            return session_proto(request.session_id, info, s, _tier(s, info), self.srv.store is not None)
         if self.srv.store is not None:
             stored = await asyncio.to_thread(self.srv.store.load, key, False)
             if stored is not None:
@@ -451,7 +451,7 @@ class SidecarService:
             self.sessions.end_turn(parent, running, None)
         child = self.sessions.adopt(child_key, tools_digest=parent.tools_digest, info=info)
         self.srv.mark_dirty(child_key)
-        return session_proto(request.new_session_id, info, child)
+        return session_proto(request.new_session_id, info, child, has_store=self.srv.store is not None)
 
     async def PruneHistory(self, request, context):
         return await self._unary("PruneHistory", self._prune, request, context)
@@ -499,7 +499,7 @@ class SidecarService:
             s.update(info, self.sessions.end_of_turn_id)
             self.srv.mark_dirty(key)
         return pb.PruneHistoryResponse(removed=removed, pruned_tokens=tokens,
-                                       session=session_proto(request.session_id, info, s))
+                                       session=session_proto(request.session_id, info, s, has_store=self.srv.store is not None))
 
 
 def _tier(s: Session, info: dict) -> str | None:

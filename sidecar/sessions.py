@@ -297,7 +297,7 @@ class SessionManager:
         s = self._sessions.get(key)
         here = s is not None and s.in_engine
         if s is not None:
-            if keep_snapshot and here and s.snapshot_pending:
+            if keep_snapshot and here and self.store is not None and s.snapshot_pending:
                 await flush(key)
                 if s.snapshot_pending:
                     raise StoreUnavailable(f"the snapshot of {key.split('/')[-1]!r} could not be written: "

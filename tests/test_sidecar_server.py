@@ -160,7 +160,7 @@ def on_a(replicas):
     ref = [run(a.stub, request("ref", t))[1] for t in TURNS]
     s1 = [run(a.stub, request("s1", t))[1] for t in TURNS[:3]]
     c = [run(a.stub, request("c", t))[1] for t in TURNS[:2]]
-    wait_for(lambda: committed(a.stub, "s1") and committed(a.stub, "c"), what="A's snapshots")
+    wait_for(lambda: all(committed(a.stub, sid) for sid in ("ref", "s1", "c")), what="A's snapshots")
     assert a.signal(signal.SIGKILL) == -signal.SIGKILL
     return ref, s1, c
 
@@ -200,6 +200,10 @@ def test_corrupt_kv_chunk_is_detected_and_rebuilt_by_recompute(replicas, on_a, r
     assert third.usage.reused_tokens == 0
     assert third.usage.prefilled_tokens == third.usage.history_tokens - third.usage.generated_tokens
     assert third.token_ids == ref[2].token_ids
+    # KV made by another model (fingerprint) is never loaded: the session is rebuilt
+    r.hset("chainkv:{alpha/ref}:meta", "fingerprint", "other-model|LlamaForCausalLM|1x1x1|torch.float32|p16")
+    info = b.stub.Resume(pb.ResumeRequest(session_id="ref"), metadata=ALPHA)
+    assert info.source_tier == pb.TIER_RECOMPUTE and "made by 'other-model" in info.snapshot_error
 
 
 def test_second_turn_is_aborted_and_a_retry_replays_without_running_again(local):
