@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine.chain import SessionBusy, SessionError, SessionNotFound, TurnIndexMismatch
+from engine.lifecycle import MethodError
 from sidecar.snapshots import join_snapshot
 from sidecar.store import SessionStore, StoreUnavailable
 
@@ -239,7 +240,10 @@ class SessionManager:
         snap.meta["session_id"] = key
 
         def load_and_describe():
-            eng.load_session(snap)
+            try:
+                eng.load_session(snap)
+            except MethodError as e:  # KV this replica cannot continue: refuse rather than guess
+                raise SessionError(f"session {key.split('/')[-1]!r} uses a method this replica cannot run: {e}") from None
             return eng.session_info(key)
 
         info = await self.engine.call(load_and_describe)

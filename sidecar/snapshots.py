@@ -125,6 +125,8 @@ class SnapshotWriter:
             self._queued.discard(key)
             self._busy += 1
             try:
+                if failures:  # the store was down: check it before taking another snapshot
+                    await asyncio.to_thread(self.store.ping)
                 await self.write(key)
                 failures = 0
             except StoreUnavailable as e:

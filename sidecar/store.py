@@ -32,6 +32,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import hmac
+import math
 import os
 import secrets
 import time
@@ -292,6 +293,9 @@ class RedisStore(SessionStore):
         u = urllib.parse.urlsplit(self.url)
         return f"redis {u.hostname or u.path}:{u.port or ''}".rstrip(":")
 
+    def _ttl(self) -> int:
+        return max(1, math.ceil(self.ttl_s))
+
     def meta_key(self, key: str) -> str:
         return f"{self.prefix}:{{{key}}}:meta"
 
@@ -317,13 +321,13 @@ class RedisStore(SessionStore):
         def write():
             pipe = self.client.pipeline(transaction=False)
             for i, c in enumerate(chunks):
-                pipe.set(self.chunk_key(key, version, i), c, ex=int(self.ttl_s))
+                pipe.set(self.chunk_key(key, version, i), c, ex=self._ttl())
             pipe.execute()
 
         self._call(write)
 
     def _commit(self, key: str, fields: dict[str, bytes], expected: int | None) -> dict[str, Any] | None:
-        args: list[bytes | str] = ["" if expected is None else str(expected), str(int(self.ttl_s))]
+        args: list[bytes | str] = ["" if expected is None else str(expected), str(self._ttl())]
         for k, v in fields.items():
             args += [k, v]
         ok, old = self._call(self._commit_script, keys=[self.meta_key(key)], args=args)
