@@ -83,6 +83,10 @@ class EngineLoop:
     # --- the thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
         eng = self.engine
+        if eng.device.type == "cuda":  # kernels and CUDA graphs launch on the engine's device from this thread
+            import torch
+
+            torch.cuda.set_device(eng.device)
         while True:
             with self._cv:
                 while not self._commands and not self._stop and not (eng.has_unfinished() and self.failed is None):
