@@ -71,6 +71,19 @@ class TurnIndexMismatch(SessionError):
     """``expected_turn_index`` is not the session's turn index (optimistic concurrency)."""
 
 
+class SessionExists(SessionError):
+    """A session id that is already taken (fork target, loaded snapshot)."""
+
+
+class ContextFull(SessionError):
+    """The turn would make the session's history reach ``max_model_len``."""
+
+
+KV_STATE_KEYS = ("method_state", "num_cached", "query_count")
+"""Snapshot metadata that describes the KV itself and travels with it; the rest of a snapshot's
+metadata is the session record (history, spans, method, ...), enough to rebuild the KV."""
+
+
 @dataclass
 class TaggedSpan(Span):
     turn: int = 0
@@ -152,7 +165,7 @@ class ChainCache:
         if not tokens:
             raise HistoryMismatch("a turn must add at least one token")
         if len(old) + len(tokens) >= eng.max_model_len:
-            raise SessionError(f"session {session_id!r} would reach {len(old) + len(tokens)} tokens; "
+            raise ContextFull(f"session {session_id!r} would reach {len(old) + len(tokens)} tokens; "
                                f"max_model_len is {eng.max_model_len}")
         if chain is None:
             spec = method or eng.default_spec
@@ -445,7 +458,7 @@ class ChainCache:
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         parent = self._get(parent_id)
         if child_id in self.chains:
-            raise SessionError(f"session {child_id!r} already exists")
+            raise SessionExists(f"session {child_id!r} already exists")
         if parent.state is ChainState.ACTIVE:
             raise SessionBusy(f"session {parent_id!r} is running a turn; fork it between turns")
         eng = self.engine
@@ -493,11 +506,16 @@ class ChainCache:
             "num_tokens": len(chain.history),
             "digest": chain.digest,
             "method": chain.spec.method,
+            "spec": {"method": chain.spec.method, "budget": chain.spec.budget, "budget_ratio": chain.spec.budget_ratio,
+                     "method_args": dict(chain.spec.method_args)},
             "kv_tokens": int(mgr.seq_lengths(session_id).sum()) if on_gpu else 0,
             "kv_pages": mgr.num_pages(session_id) if on_gpu else 0,
             "pruned_tokens": chain.pruned_tokens,
             "prune_log": list(chain.prune_log),
             "shared_prefix_tokens": chain.seq.protected_len,
+            "spans": [{"start": s.start, "end": s.end, "role": s.role, "turn": s.turn, "pruned": s.pruned}
+                      for s in chain.spans],
+            "last_token": chain.history[-1] if chain.history else None,
         }
 
     # --- snapshots for the session store ------------------------------------------------------------
@@ -529,7 +547,7 @@ class ChainCache:
         meta = snap.meta
         sid = meta["session_id"]
         if sid in self.chains:
-            raise SessionError(f"session {sid!r} already exists on this engine")
+            raise SessionExists(f"session {sid!r} already exists on this engine")
         tokens = np.frombuffer(meta["tokens"], dtype="<u4").astype(np.int64).tolist()
         if history_digest(tokens) != meta["digest"]:
             raise SessionError(f"session {sid!r}: the snapshot's history does not match its digest")

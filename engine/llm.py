@@ -42,6 +42,10 @@ class RequestError(ValueError):
     """A request cannot be served as given (too long, bad parameters, unknown id)."""
 
 
+class CapacityError(RequestError):
+    """The KV pool can never hold this request (it needs more pages than the pool has)."""
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -111,6 +115,9 @@ class LLMEngine:
         self.chains = ChainCache(self)
         self.scheduler.chains = self.chains
         self._inflight = None  # a launched decode step whose tokens are not read yet (see step)
+        self.totals = {"decoded_tokens": 0, "finished_stop": 0, "finished_length": 0, "finished_abort": 0,
+                       "finished_error": 0}
+        """Engine-wide counters since start (stats() reports them)."""
 
     # --- setup ---------------------------------------------------------------------------------
     def _num_pages(self) -> int:
@@ -198,7 +205,7 @@ class LLMEngine:
         peak = min(total, m.kept_tokens(total) + self.config.prefill_chunk_size + 1)
         need = self.scheduler.fresh_pages(peak)
         if need > self.pool.num_pages:
-            raise RequestError(f"this request needs up to {need} KV pages; the pool has {self.pool.num_pages}")
+            raise CapacityError(f"this request needs up to {need} KV pages; the pool has {self.pool.num_pages}")
 
     def _generator(self, params: SamplingParams) -> torch.Generator | None:
         if params.greedy:
@@ -228,6 +235,8 @@ class LLMEngine:
             seq = self.chains.start_turn(session_id, list(tokens), params, role=role, spans=spans, method=method,
                                          expected_turn_index=expected_turn_index, history=history,
                                          shared_prefix=shared_prefix)
+        except CapacityError:
+            raise
         except RequestError as e:
             raise SessionError(str(e)) from None
         self._seqs[session_id] = seq
@@ -371,6 +380,7 @@ class LLMEngine:
         seq.pending_ids.append(token)
         seq.in_decode = True
         seq.counters.decoded_tokens += 1
+        self.totals["decoded_tokens"] += 1
         p = seq.params
         is_stop = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
         if not is_stop:
@@ -387,6 +397,7 @@ class LLMEngine:
         seq.pending_text += seq.detok.flush()
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        self.totals[f"finished_{reason}"] += 1
         self.scheduler.remove(seq)
         if seq.seq_id in self.chains.chains:  # a session keeps its chain
             if reason == "abort":
@@ -463,6 +474,7 @@ class LLMEngine:
             "sessions": len(self.chains.chains),
             "demotions": self.chains.demotions,
             "prefix_holders": self.chains.prefixes.num_holders,
+            **self.totals,
         }
 
 

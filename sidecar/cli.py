@@ -1,5 +1,7 @@
 """The ``chainkv`` command.
 
+    chainkv serve [ENGINE FLAGS] [--port 50051] [--store redis://...|file://...|none] [--auth-token T=TENANT]
+    chainkv demo [--target 127.0.0.1:50051]
     chainkv generate [--model M] [--method NAME] [--budget N] [--max-tokens N] [--chat] [--json] PROMPT
 """
 
@@ -37,7 +39,87 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     add_engine_args(gen)
+
+    srv = sub.add_parser("serve", help="run the gRPC agent sidecar (chainkv.v1.Sidecar)",
+                         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_methods_epilog())
+    g = srv.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    g.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed at start)")
+    g.add_argument("--store", default=None, metavar="URL",
+                   help="session store: redis://host:port/db, rediss://..., file:///path (or a folder), or none "
+                        "(default: the folder sessions/ under $CHAINKV_CACHE or ~/.cache/chainkv)")
+    g.add_argument("--store-ttl", type=float, default=7 * 24 * 3600, metavar="SECONDS", help="expiry of stored sessions")
+    g.add_argument("--snapshot-kv", action=argparse.BooleanOptionalAction, default=True,
+                   help="snapshots carry the KV (resume without recompute); --no-snapshot-kv keeps only the history")
+    g.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a Turn that does not set it")
+    g.add_argument("--max-message-bytes", type=int, default=4 * 2**20, help="largest gRPC message accepted or sent")
+    g.add_argument("--session-idle-s", type=float, default=3600.0,
+                   help="free sessions idle this long whose snapshot is committed (they resume from the store)")
+    g.add_argument("--grace-s", type=float, default=30.0, help="shutdown: time for running turns to finish")
+    g.add_argument("--auth-token", action="append", default=[], metavar="TOKEN=TENANT",
+                   help="accept 'authorization: Bearer TOKEN' as TENANT (repeatable); with none, auth is off")
+    g.add_argument("--auth-file", action="append", default=[], metavar="FILE", help="a file of 'TOKEN TENANT' lines")
+    g.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS with this certificate chain")
+    g.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key")
+    g.add_argument("--tls-client-ca", default=None, metavar="PEM", help="require client certificates signed by this CA")
+    g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    add_engine_args(srv)
+
+    demo = sub.add_parser("demo", help="run a multi-turn, tool-using session against a running sidecar")
+    demo.add_argument("--target", default="127.0.0.1:50051", help="the sidecar's address")
+    demo.add_argument("--session", default=None, help="session id (default: a new random one)")
+    demo.add_argument("--max-tokens", type=int, default=96)
+    demo.add_argument("--token", default=None, help="bearer token, when the sidecar has auth on")
+    demo.add_argument("--tls-ca", default=None, metavar="PEM", help="connect with TLS, trusting this CA")
     return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+
+    from engine.llm import LLMEngine
+    from sidecar.auth import Authenticator
+    from sidecar.protocol import Limits
+    from sidecar.server import ServerOptions, SidecarServer
+    from sidecar.store import StoreError, open_store
+
+    logging.getLogger().setLevel(args.log_level.upper())
+    try:
+        config = engine_config_from_args(args)
+        auth = Authenticator.from_args(args.auth_token, args.auth_file)
+        options = ServerOptions(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
+                                limits=Limits(default_max_tokens=args.default_max_tokens), snapshot_kv=args.snapshot_kv,
+                                session_idle_s=args.session_idle_s, grace_s=args.grace_s, auth=auth,
+                                tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
+        store = open_store(args.store, ttl_s=args.store_ttl)
+    except (ValueError, OSError, StoreError) as e:
+        print(f"chainkv: {e}", file=sys.stderr)
+        return 2
+    engine = LLMEngine(config)
+
+    async def main() -> None:
+        server = SidecarServer(engine, options, store)
+        port = await server.start()
+        print(f"chainkv: serving chainkv.v1.Sidecar on {args.host}:{port} (model {engine.model_dir.name}, "
+              f"method {config.method}, device {engine.device}, store {store.describe() if store else 'none'}, "
+              f"auth {'on' if auth.enabled else 'off'})", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        print("chainkv: shutting down: draining turns, writing snapshots", flush=True)
+        await server.stop()
+
+    asyncio.run(main())
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from sidecar.demo import run_demo
+
+    return run_demo(args.target, args.session, args.max_tokens, args.token, args.tls_ca)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -98,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "serve":
+            return cmd_serve(args)
+        if args.command == "demo":
+            return cmd_demo(args)
     except (ConfigError, MethodError, ModelLoadError) as e:
         print(f"chainkv: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs (python -m sidecar.protogen); do not edit."""

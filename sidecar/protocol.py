@@ -1,0 +1,195 @@
+"""gRPC messages <-> engine arguments: request validation and reply building.
+
+Everything a client can get wrong is checked here, before the engine sees it, and raised as
+``InvalidRequest`` (INVALID_ARGUMENT). Engine state (``LLMEngine.session_info`` dicts and store
+records) becomes ``chainkv.v1.Session`` messages here too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine.lifecycle import MethodError, MethodSpec, build_params
+from engine.methods import get_method_class
+from engine.sampling import SamplingError, SamplingParams
+from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
+from sidecar.chat import ROLES, ChatError, ToolSpec, tool_from_json
+from sidecar.sessions import BadSessionId, Session, check_id
+
+TIERS = {"new": pb.TIER_NEW, "gpu": pb.TIER_GPU, "host": pb.TIER_HOST, "store": pb.TIER_STORE,
+         "recompute": pb.TIER_RECOMPUTE}
+STATES = {"active": pb.SESSION_STATE_ACTIVE, "idle": pb.SESSION_STATE_IDLE, "host": pb.SESSION_STATE_HOST,
+          "history": pb.SESSION_STATE_HISTORY}
+STATE_TIERS = {"idle": "gpu", "host": "host", "history": "recompute"}
+FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+
+
+class InvalidRequest(ValueError):
+    """A request that is malformed as given (INVALID_ARGUMENT)."""
+
+
+@dataclass
+class Limits:
+    max_messages: int = 256
+    """Most messages in one Turn."""
+    max_tools: int = 128
+    max_stop: int = 16
+    default_max_tokens: int = 256
+    """max_tokens when a Turn does not set it."""
+
+
+@dataclass
+class TurnArgs:
+    session_id: str
+    request_id: str
+    messages: list[dict[str, Any]]
+    tools: list[ToolSpec]
+    expected_turn_index: int | None
+    params: SamplingParams
+    method: MethodSpec | None
+    shared_prefix_messages: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_turn(req: pb.TurnRequest, limits: Limits) -> TurnArgs:
+    try:
+        check_id(req.session_id)
+        if req.request_id:
+            check_id(req.request_id, "request_id")
+    except BadSessionId as e:
+        raise InvalidRequest(str(e)) from None
+    if not req.messages:
+        raise InvalidRequest("a turn needs at least one message")
+    if len(req.messages) > limits.max_messages:
+        raise InvalidRequest(f"{len(req.messages)} messages in one turn; at most {limits.max_messages}")
+    if len(req.tools) > limits.max_tools or len(req.stop) > limits.max_stop:
+        raise InvalidRequest(f"at most {limits.max_tools} tools and {limits.max_stop} stop strings")
+    messages = [message_dict(m) for m in req.messages]
+    try:
+        tools = [tool_from_json(t.name, t.description, t.parameters_json) for t in req.tools]
+    except ChatError as e:
+        raise InvalidRequest(str(e)) from None
+    if len({t.name for t in tools}) != len(tools):
+        raise InvalidRequest("tool names must be unique")
+    try:
+        params = SamplingParams(
+            max_tokens=req.max_tokens if req.HasField("max_tokens") else limits.default_max_tokens,
+            temperature=req.temperature if req.HasField("temperature") else 0.0,
+            top_k=req.top_k if req.HasField("top_k") else 0,
+            top_p=req.top_p if req.HasField("top_p") else 1.0,
+            seed=req.seed if req.HasField("seed") else None,
+            stop=list(req.stop), ignore_eos=req.ignore_eos)
+    except SamplingError as e:
+        raise InvalidRequest(str(e)) from None
+    expected = req.expected_turn_index if req.HasField("expected_turn_index") else None
+    if expected is not None and expected < 0:
+        raise InvalidRequest("expected_turn_index must be >= 0")
+    return TurnArgs(session_id=req.session_id, request_id=req.request_id, messages=messages, tools=tools,
+                    expected_turn_index=expected, params=params, method=method_spec(req),
+                    shared_prefix_messages=req.shared_prefix_messages if req.HasField("shared_prefix_messages") else None)
+
+
+def message_dict(m: pb.Message) -> dict[str, Any]:
+    if m.role not in ROLES:
+        raise InvalidRequest(f"unknown message role {m.role!r}; use one of {', '.join(ROLES)}")
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        calls = []
+        for c in m.tool_calls:
+            try:
+                args = json.loads(c.arguments_json) if c.arguments_json else {}
+            except json.JSONDecodeError as e:
+                raise InvalidRequest(f"tool call {c.name!r}: arguments_json is not JSON ({e.msg})") from None
+            if not c.name or not isinstance(args, dict):
+                raise InvalidRequest("a tool call needs a name and a JSON object of arguments")
+            calls.append({"id": c.id, "name": c.name, "arguments": args})
+        out["tool_calls"] = calls
+    return out
+
+
+def method_spec(req) -> MethodSpec | None:
+    """The request's MethodSpec, or None when it names no method settings."""
+    given = req.method or req.HasField("budget") or req.HasField("budget_ratio") or len(req.method_args)
+    if not given:
+        return None
+    if not req.method:
+        raise InvalidRequest("budget, budget_ratio and method_args need a method")
+    try:
+        cls = get_method_class(req.method)
+        args = dict(req.method_args)
+        build_params(cls, args)
+        return MethodSpec(req.method, req.budget if req.HasField("budget") else None,
+                          req.budget_ratio if req.HasField("budget_ratio") else None, args)
+    except MethodError as e:
+        raise InvalidRequest(str(e)) from None
+
+
+def tool_call_proto(turn_index: int, k: int, name: str, arguments_json: str) -> pb.ToolCall:
+    return pb.ToolCall(id=f"call_{turn_index}_{k}", name=name, arguments_json=arguments_json)
+
+
+def session_proto(session_id: str, info: dict[str, Any], s: Session | None, tier: str | None = None,
+                  has_store: bool = True) -> pb.Session:
+    m = info.get("method")
+    out = pb.Session(session_id=session_id, state=STATES.get(info["state"], pb.SESSION_STATE_UNSPECIFIED),
+                     turn_index=info["turn_index"], generation=info["generation"], history_tokens=info["num_tokens"],
+                     digest=info["digest"], method=m if isinstance(m, str) else "",
+                     kv_tokens=info.get("kv_tokens", 0), kv_pages=info.get("kv_pages", 0),
+                     pruned_kv_tokens=info.get("pruned_tokens", 0),
+                     shared_prefix_tokens=info.get("shared_prefix_tokens", 0),
+                     prune_log=[prune_record(e) for e in info.get("prune_log", [])])
+    spec = info.get("spec")
+    if spec is not None:
+        _set_method(out, spec)
+    tier = tier or STATE_TIERS.get(info["state"])
+    if tier:
+        out.source_tier = TIERS[tier]
+    if s is not None and has_store:
+        out.committed_generation = -1 if s.committed_generation is None else s.committed_generation
+        if s.stale:
+            out.snapshot_state = pb.SNAPSHOT_STATE_CONFLICT
+        elif s.snapshot_pending:
+            out.snapshot_state = pb.SNAPSHOT_STATE_PENDING
+        elif s.committed_generation is not None:
+            out.snapshot_state = pb.SNAPSHOT_STATE_COMMITTED
+        out.snapshot_error = s.snapshot_error or ""
+    return out
+
+
+def stored_session_proto(session_id: str, record: dict[str, Any]) -> pb.Session:
+    """A session known only from its committed store record."""
+    tokens = np.frombuffer(record["tokens"], dtype="<u4")
+    out = pb.Session(session_id=session_id, state=pb.SESSION_STATE_STORED, turn_index=record["turn_index"],
+                     generation=record["generation"], history_tokens=len(tokens), digest=record.get("digest", ""),
+                     pruned_kv_tokens=record.get("pruned_tokens", 0),
+                     shared_prefix_tokens=record.get("protected_len", 0),
+                     prune_log=[prune_record(e) for e in record.get("prune_log", [])],
+                     source_tier=pb.TIER_STORE, snapshot_state=pb.SNAPSHOT_STATE_COMMITTED,
+                     committed_generation=record["generation"])
+    if isinstance(record.get("method"), dict):
+        _set_method(out, record["method"])
+    return out
+
+
+def _set_method(out: pb.Session, spec: dict[str, Any]) -> None:
+    out.method = spec.get("method") or ""
+    if spec.get("budget") is not None:
+        out.budget = int(spec["budget"])
+    if spec.get("budget_ratio") is not None:
+        out.budget_ratio = float(spec["budget_ratio"])
+    for k, v in (spec.get("method_args") or {}).items():
+        out.method_args[str(k)] = str(v)
+
+
+def prune_record(e: dict[str, Any]) -> pb.PruneRecord:
+    return pb.PruneRecord(turn=e.get("turn", 0), start=e["start"], end=e["end"], prune_policy=e.get("policy", ""),
+                          prune_keep_ratio=float(e.get("keep_ratio", 0.0)), prune_scope=e.get("scope", ""),
+                          reason=e.get("reason", ""), removed=int(e.get("removed", 0)))

@@ -1,0 +1,340 @@
+"""SessionManager: session id -> the engine's chain, per-session ordering, idempotency, the store.
+
+Session keys. A client's session id (1-128 characters of ``[A-Za-z0-9._:@+=~-]``: no braces, so it
+cannot break the Redis hash tag, and no ``/``) is scoped by its tenant: the engine and the store
+see ``<tenant>/<session id>``, or the bare id when auth is off. Tenants never see each other's
+sessions.
+
+Ordering. One turn runs on a session at a time: ``begin_turn`` takes the session (a second Turn,
+a prune or a fork meanwhile gets ABORTED) and ``end_turn`` releases it. Loading a session from the
+store is serialized per key, so two requests racing for an unknown session load it once.
+
+Idempotency. Each finished turn is recorded by its ``request_id`` (the serialized
+TurnCompletion), the last ``idempotency_window`` per session; the records travel with the
+session's snapshot, so a retry that lands on another replica after a failover is recognised too.
+A retry that arrives while its first attempt still runs waits for it.
+
+Where a session comes from (``get``): this replica, when it holds the session and nothing says
+its copy is stale; otherwise the store. A client that passes ``expected_turn_index`` ahead of
+the local copy makes the manager look in the store (another replica may have moved the session
+on); a store that is behind the expectation is polled for ``resume_wait_s`` (the write-behind
+snapshot may still be on its way) before UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from engine.chain import SessionBusy, SessionError, SessionNotFound, TurnIndexMismatch
+from engine.lifecycle import MethodError
+from sidecar.snapshots import join_snapshot
+from sidecar.store import SessionStore, StoreUnavailable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sidecar.engine_loop import EngineLoop
+
+log = logging.getLogger(__name__)
+
+SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:@+=~-]{1,128}")
+MAX_ID_LEN = 128
+
+
+class BadSessionId(ValueError):
+    pass
+
+
+class StoreBehind(StoreUnavailable):
+    """The store does not hold the turn the client expects yet (its snapshot may be in flight)."""
+
+
+def check_id(value: str, what: str = "session_id") -> str:
+    if not value:
+        raise BadSessionId(f"{what} is empty")
+    if len(value) > MAX_ID_LEN:
+        raise BadSessionId(f"{what} is {len(value)} characters long; at most {MAX_ID_LEN}")
+    if not SESSION_ID_RE.fullmatch(value):
+        raise BadSessionId(f"{what} {value!r} has characters outside [A-Za-z0-9._:@+=~-]")
+    return value
+
+
+def scoped_key(tenant: str, session_id: str) -> str:
+    """The engine / store key of a tenant's session."""
+    check_id(session_id)
+    return f"{tenant}/{session_id}" if tenant else session_id
+
+
+@dataclass
+class Running:
+    """The turn running on a session."""
+
+    request_id: str
+    done: asyncio.Future
+    """Resolves to the recorded completion bytes, or None when the turn did not finish."""
+
+
+@dataclass
+class Session:
+    key: str
+    in_engine: bool = False
+    """The engine holds its chain (False only before a new session's first turn starts)."""
+    generation: int = 0
+    turn_index: int = 0
+    committed_generation: int | None = None
+    """The generation the store holds for it (loaded or last written); None: none written."""
+    snapshot_error: str | None = None
+    stale: bool = False
+    """Another replica committed a newer generation: the next request reloads it from the store."""
+    source_tier: str | None = None
+    """Where this replica got the session: new, store or recompute."""
+    tools_digest: str = ""
+    ends_with_eot: bool = False
+    """The history ends with the end-of-turn token (the last reply closed its turn)."""
+    records: "OrderedDict[str, bytes]" = field(default_factory=OrderedDict)
+    running: Running | None = None
+    created_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    store_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Held while the session's snapshot is written or deleted (an ended session stays deleted)."""
+    ended: bool = False
+
+    @property
+    def busy(self) -> bool:
+        return self.running is not None
+
+    @property
+    def snapshot_pending(self) -> bool:
+        return self.in_engine and not self.stale and (self.committed_generation is None
+                                                      or self.committed_generation < self.generation)
+
+    def app_meta(self) -> dict[str, Any]:
+        """What the sidecar keeps about the session beside the engine's record."""
+        return {"tools_digest": self.tools_digest, "created_at": self.created_at,
+                "requests": [[rid, blob] for rid, blob in self.records.items()]}
+
+    def load_app_meta(self, app: dict[str, Any]) -> None:
+        self.tools_digest = app.get("tools_digest", "")
+        self.created_at = app.get("created_at", self.created_at)
+        self.records = OrderedDict((rid, bytes(blob)) for rid, blob in app.get("requests", []))
+
+    def update(self, info: dict[str, Any], end_of_turn_id: int | None) -> None:
+        """Refresh from the engine's ``session_info``."""
+        self.generation = info["generation"]
+        self.turn_index = info["turn_index"]
+        self.ends_with_eot = end_of_turn_id is not None and info.get("last_token") == end_of_turn_id
+        self.last_used = time.monotonic()
+
+
+class SessionManager:
+    def __init__(self, engine: "EngineLoop", store: SessionStore | None, *, end_of_turn_id: int | None,
+                 idempotency_window: int = 32, resume_wait_s: float = 5.0):
+        self.engine = engine
+        self.store = store
+        self.end_of_turn_id = end_of_turn_id
+        self.idempotency_window = idempotency_window
+        self.resume_wait_s = resume_wait_s
+        self._sessions: dict[str, Session] = {}
+        self._load_locks: "weakref.WeakValueDictionary[str, asyncio.Lock]" = weakref.WeakValueDictionary()
+        self.loads = {"store": 0, "recompute": 0}
+
+    # --- lookup -----------------------------------------------------------------------------------
+    def local(self, key: str) -> Session | None:
+        return self._sessions.get(key)
+
+    def all(self) -> list[Session]:
+        return list(self._sessions.values())
+
+    @property
+    def active_turns(self) -> int:
+        return sum(1 for s in self._sessions.values() if s.busy)
+
+    async def get(self, key: str, *, create: bool, expected_turn_index: int | None = None,
+                  deadline: float | None = None) -> Session:
+        """The session, from this replica or the store; a fresh (not yet started) one when it
+        exists nowhere and ``create``. Raises SessionNotFound, StoreUnavailable (StoreBehind),
+        TurnIndexMismatch."""
+        s = self._sessions.get(key)
+        if s is not None and self._usable(s, expected_turn_index):
+            return s
+        lock = self._load_locks.get(key)
+        if lock is None:
+            lock = self._load_locks[key] = asyncio.Lock()
+        async with lock:
+            s = self._sessions.get(key)
+            if s is not None and self._usable(s, expected_turn_index):
+                return s
+            if self.store is None:
+                return self._new_or_missing(key, create)
+            stored = await self._fetch(key, expected_turn_index, deadline, local=s)
+            if stored is None:
+                if s is not None and s.in_engine and not s.stale:
+                    return s  # the store has no copy yet (its first snapshot is on its way)
+                if s is not None:
+                    await self._drop_local(s)
+                return self._new_or_missing(key, create)
+            if s is not None:
+                if not s.stale and s.committed_generation is not None and stored.generation <= s.committed_generation:
+                    return s  # the store holds nothing newer than this replica
+                if s.busy:
+                    raise SessionBusy(f"a turn is already running on session {key!r}")
+                await self._drop_local(s)
+            return await self._load(key)
+
+    def _usable(self, s: Session, expected: int | None) -> bool:
+        if s.busy:
+            return True  # the caller gets ABORTED (or waits for its retried request)
+        if s.stale or not s.in_engine:
+            return not s.stale and not s.in_engine and expected in (None, 0)
+        return expected is None or expected <= s.turn_index
+
+    def _new_or_missing(self, key: str, create: bool) -> Session:
+        s = self._sessions.get(key)
+        if s is not None and not s.stale:
+            return s
+        if not create:
+            raise SessionNotFound(f"no session {key.split('/')[-1]!r}")
+        s = Session(key=key)
+        self._sessions[key] = s
+        return s
+
+    async def _fetch(self, key: str, expected: int | None, deadline: float | None, local: Session | None):
+        """The committed record (no KV yet), waiting for ``expected`` while the store is behind."""
+        wait_until = time.monotonic() + self.resume_wait_s
+        if deadline is not None:
+            wait_until = min(wait_until, deadline)
+        delay = 0.05
+        while True:
+            stored = await asyncio.to_thread(self.store.load, key, False)
+            if expected is None or expected == 0 and stored is None:
+                return stored
+            have = stored.turn_index if stored is not None else None
+            if have is not None and have > expected:
+                raise TurnIndexMismatch(f"session {key.split('/')[-1]!r} is at turn {have}, not {expected}")
+            if have == expected:
+                return stored
+            if time.monotonic() >= wait_until:
+                if stored is None and (local is None or not local.in_engine):
+                    raise SessionNotFound(f"no session {key.split('/')[-1]!r} at turn {expected} in the store")
+                raise StoreBehind(f"the store holds turn {have} of session {key.split('/')[-1]!r}, "
+                                  f"not turn {expected} yet; retry")
+            await asyncio.sleep(delay)
+            delay = min(0.5, delay * 2)
+
+    async def _load(self, key: str) -> Session:
+        """Load a committed session into the engine (its KV if usable, else its history)."""
+        stored = await asyncio.to_thread(self.store.load, key, True)
+        if stored is None:
+            raise SessionNotFound(f"no session {key.split('/')[-1]!r}")
+        snap, kv_error = await asyncio.to_thread(join_snapshot, stored)
+        eng = self.engine.engine
+        if snap.kv is not None and snap.meta.get("fingerprint") != eng.fingerprint():
+            kv_error = (f"the stored KV was made by {snap.meta.get('fingerprint')!r}, "
+                        f"this replica is {eng.fingerprint()!r}")
+            snap.kv = None
+        snap.meta["session_id"] = key
+
+        def load_and_describe():
+            try:
+                eng.load_session(snap)
+            except MethodError as e:  # KV this replica cannot continue: refuse rather than guess
+                raise SessionError(f"session {key.split('/')[-1]!r} uses a method this replica cannot run: {e}") from None
+            return eng.session_info(key)
+
+        info = await self.engine.call(load_and_describe)
+        s = Session(key=key, in_engine=True, committed_generation=stored.generation,
+                    source_tier="store" if snap.kv is not None else "recompute", snapshot_error=kv_error)
+        s.load_app_meta(stored.app)
+        s.update(info, self.end_of_turn_id)
+        self._sessions[key] = s
+        self.loads["store" if snap.kv is not None else "recompute"] += 1
+        if kv_error:
+            log.warning("session %s: %s; it will be rebuilt from its history", key, kv_error)
+        return s
+
+    async def _drop_local(self, s: Session) -> None:
+        self._sessions.pop(s.key, None)
+        if s.in_engine:
+            try:
+                await self.engine.call(self.engine.engine.end_session, s.key)
+            except SessionNotFound:
+                pass
+
+    def adopt(self, key: str, *, tools_digest: str, info: dict[str, Any]) -> Session:
+        """Register a session the engine just made (a fork)."""
+        s = Session(key=key, in_engine=True, tools_digest=tools_digest, source_tier="new")
+        s.update(info, self.end_of_turn_id)
+        self._sessions[key] = s
+        return s
+
+    # --- turns ----------------------------------------------------------------------------------------
+    def begin_turn(self, s: Session, request_id: str) -> Running:
+        if s.busy:
+            raise SessionBusy(f"a turn is already running on session {s.key.split('/')[-1]!r}")
+        if s.ended:
+            raise SessionNotFound(f"session {s.key.split('/')[-1]!r} was ended")
+        s.running = Running(request_id, asyncio.get_running_loop().create_future())
+        return s.running
+
+    def end_turn(self, s: Session, running: Running, completion: bytes | None) -> None:
+        if completion is not None and running.request_id:
+            s.records[running.request_id] = completion
+            while len(s.records) > self.idempotency_window:
+                s.records.popitem(last=False)
+        if not running.done.done():
+            running.done.set_result(completion)
+        if s.running is running:
+            s.running = None
+        s.last_used = time.monotonic()
+        if not s.in_engine and not s.busy and self._sessions.get(s.key) is s:
+            del self._sessions[s.key]  # a new session whose first turn never started
+
+    # --- ending, eviction -----------------------------------------------------------------------------
+    async def end(self, key: str, keep_snapshot: bool, flush) -> tuple[bool, bool]:
+        """End a session here (and delete its snapshot unless ``keep_snapshot``). ``flush`` writes
+        a session's snapshot now. Returns (ended here, deleted from the store)."""
+        s = self._sessions.get(key)
+        here = s is not None and s.in_engine
+        if s is not None:
+            if keep_snapshot and here and self.store is not None and s.snapshot_pending:
+                await flush(key)
+                if s.snapshot_pending:
+                    raise StoreUnavailable(f"the snapshot of {key.split('/')[-1]!r} could not be written: "
+                                           f"{s.snapshot_error}")
+            s.ended = True
+            if s.running is not None:
+                self.engine.post(self.engine.engine.abort, key)
+            self._sessions.pop(key, None)
+            if here:
+                try:
+                    await self.engine.call(self.engine.engine.end_session, key)
+                except SessionNotFound:
+                    pass
+        deleted = False
+        if self.store is not None and not keep_snapshot:
+            lock = s.store_lock if s is not None else asyncio.Lock()
+            async with lock:
+                deleted = await asyncio.to_thread(self.store.delete, key)
+        if not here and not deleted and not keep_snapshot:
+            raise SessionNotFound(f"no session {key.split('/')[-1]!r}")
+        return here, deleted
+
+    async def evict_idle(self, idle_s: float) -> int:
+        """Free sessions idle for ``idle_s`` whose snapshot is committed (they resume from the store)."""
+        if self.store is None:
+            return 0
+        now = time.monotonic()
+        victims = [s for s in self._sessions.values()
+                   if s.in_engine and not s.busy and not s.snapshot_pending and now - s.last_used > idle_s]
+        for s in victims:
+            await self._drop_local(s)
+        return len(victims)
+
+
+__all__ = ["BadSessionId", "Running", "Session", "SessionError", "SessionManager", "StoreBehind", "check_id",
+           "scoped_key"]

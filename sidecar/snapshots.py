@@ -1,0 +1,180 @@
+"""Session snapshots between the engine and the store: the codec and the write-behind writer.
+
+``split_snapshot`` cuts an engine ``SessionSnapshot`` into the session record (the store's meta:
+history, spans, method, ...) and the KV blob (the KV, method state and query window as
+``SessionSnapshot`` bytes); ``join_snapshot`` puts them back together, or, when the blob is
+missing or unusable, gives a record-only snapshot that the engine rebuilds by re-prefilling the
+history (tier RECOMPUTE).
+
+``SnapshotWriter`` writes sessions behind the turns: a turn marks its session dirty and returns;
+one writer task takes the session's current snapshot on the engine thread (so a burst of turns
+is written once, and at most one snapshot is held in memory), serializes it off the event loop
+and commits it on the generation it last committed. The queue of dirty sessions is bounded and
+marking never blocks a turn: past the bound, the writer finds the overflow later by scanning for
+sessions whose committed generation is behind. A store that cannot be reached is retried with
+exponential backoff until it comes back; a generation conflict (another replica committed the
+session meanwhile) marks the local copy stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from engine.cache.snapshot import SessionSnapshot, SnapshotError
+from engine.chain import KV_STATE_KEYS, SessionBusy, SessionNotFound
+from sidecar.store import GenerationConflict, SessionStore, StoredSession, StoreError, StoreUnavailable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sidecar.engine_loop import EngineLoop
+    from sidecar.sessions import SessionManager
+
+log = logging.getLogger(__name__)
+
+
+def split_snapshot(snap: SessionSnapshot, app: dict[str, Any]) -> StoredSession:
+    record = {k: v for k, v in snap.meta.items() if k not in KV_STATE_KEYS}
+    blob = None
+    if snap.kv is not None:
+        kv_meta = {k: v for k, v in snap.meta.items() if k in KV_STATE_KEYS}
+        blob = SessionSnapshot(meta=kv_meta, kv=snap.kv, tensors=snap.tensors).to_bytes()
+    return StoredSession(record=record, app=app, kv=blob)
+
+
+def join_snapshot(stored: StoredSession) -> tuple[SessionSnapshot, str | None]:
+    """The engine snapshot for a stored session, and why its KV was not usable (None if it was)."""
+    error = stored.kv_error
+    if stored.kv is not None:
+        try:
+            part = SessionSnapshot.from_bytes(stored.kv)
+        except SnapshotError as e:
+            error = f"the KV blob is unreadable: {e}"
+        else:
+            return SessionSnapshot(meta={**stored.record, **part.meta}, kv=part.kv, tensors=part.tensors), None
+    return SessionSnapshot(meta={**stored.record, "num_cached": 0}, kv=None), error
+
+
+class SnapshotWriter:
+    def __init__(self, store: SessionStore, engine: "EngineLoop", sessions: "SessionManager", *,
+                 with_kv: bool = True, max_pending: int = 4096, retry_base_s: float = 0.2, retry_max_s: float = 5.0,
+                 hooks: Any = None):
+        self.store = store
+        self.engine = engine
+        self.sessions = sessions
+        self.with_kv = with_kv
+        self.retry_base_s, self.retry_max_s = retry_base_s, retry_max_s
+        self.hooks = hooks
+        self._queue: asyncio.Queue[str] = asyncio.Queue(maxsize=max_pending)
+        self._queued: set[str] = set()
+        self._busy = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task | None = None
+        self._overflow = False
+        self.failures = 0
+        self.writes = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="chainkv-snapshot-writer")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    @property
+    def pending(self) -> int:
+        return self._queue.qsize() + self._busy
+
+    def mark_dirty(self, key: str) -> None:
+        """Queue ``key`` for writing (once, however often it is marked before the writer gets to it)."""
+        self._idle.clear()
+        if key in self._queued:
+            return
+        if self._queue.full():
+            self._overflow = True
+            return
+        self._queued.add(key)
+        self._queue.put_nowait(key)
+
+    async def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every dirty session is written (or ``timeout``); True if all were."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def _run(self) -> None:
+        failures = 0
+        while True:
+            if self._queue.empty() and self._overflow:
+                self._overflow = False
+                for s in self.sessions.all():
+                    if s.snapshot_pending:
+                        self.mark_dirty(s.key)
+            if self._queue.empty() and self._busy == 0 and not self._overflow:
+                self._idle.set()
+            key = await self._queue.get()
+            self._queued.discard(key)
+            self._busy += 1
+            try:
+                if failures:  # the store was down: check it before taking another snapshot
+                    await asyncio.to_thread(self.store.ping)
+                await self.write(key)
+                failures = 0
+            except StoreUnavailable as e:
+                failures += 1
+                self.failures += 1
+                session = self.sessions.local(key)
+                if session is not None:
+                    session.snapshot_error = str(e)
+                delay = min(self.retry_max_s, self.retry_base_s * 2 ** min(failures - 1, 20))
+                log.warning("snapshot of %s not written (%s); retrying in %.1fs", key, e, delay)
+                await asyncio.sleep(delay)
+                if self.sessions.local(key) is not None:
+                    self.mark_dirty(key)
+            except Exception:  # a bug must not stop the writer
+                log.exception("snapshot of %s failed", key)
+            finally:
+                self._busy -= 1
+
+    async def write(self, key: str) -> None:
+        """Write ``key``'s current state if the store is behind it."""
+        session = self.sessions.local(key)
+        if session is None:
+            return
+        async with session.store_lock:
+            if session.ended or not session.snapshot_pending:
+                return
+            started = time.monotonic()
+            try:
+                snap = await self.engine.call(self.engine.engine.snapshot_session, key, self.with_kv)
+            except (SessionBusy, SessionNotFound):
+                return  # a turn started since (its end marks the session dirty again), or it ended
+            generation = int(snap.meta["generation"])
+            stored = await asyncio.to_thread(split_snapshot, snap, session.app_meta())
+            try:
+                await asyncio.to_thread(self.store.save, key, stored, session.committed_generation)
+            except GenerationConflict as e:
+                session.stale = True
+                session.snapshot_error = str(e)
+                log.warning("%s; this replica's copy is stale", e)
+                return
+            except StoreUnavailable:
+                raise
+            except StoreError as e:
+                session.snapshot_error = str(e)
+                log.error("snapshot of %s refused: %s", key, e)
+                return
+            session.committed_generation = generation
+            session.snapshot_error = None
+            self.writes += 1
+            if self.hooks is not None:
+                self.hooks.on_snapshot(key, len(stored.kv or b""), time.monotonic() - started)

@@ -1,0 +1,107 @@
+"""Tool calls in streamed model output: ``<tool_call>{json}</tool_call>`` (the Hermes / Qwen convention).
+
+``ToolCallParser.feed`` takes text deltas as they stream and returns events: plain text (with the
+markup held back while it might still be the start of a tag) and complete tool calls. A call is
+``{"name": str, "arguments": object}`` (``"parameters"`` is accepted for ``"arguments"``, and
+arguments given as a JSON string are parsed). Markup that does not hold a well-formed call is
+passed through as text, so a small model's near-misses stay visible instead of vanishing. At the
+end of a reply, an unclosed ``<tool_call>`` whose body is a complete call (the model stopped
+before the closing tag) still counts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True)
+class ParsedToolCall:
+    name: str
+    arguments_json: str
+    """The arguments as a compact JSON object."""
+
+
+def parse_call(body: str) -> ParsedToolCall | None:
+    """A tool call from the JSON between the tags, or None if it is not one."""
+    try:
+        obj = json.loads(body)
+    except (json.JSONDecodeError, ValueError):
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ParsedToolCall(obj["name"], json.dumps(args, separators=(",", ":"), ensure_ascii=False))
+
+
+class ToolCallParser:
+    """Splits streamed text into ``("text", str)`` and ``("tool_call", ParsedToolCall)`` events."""
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._inside = False
+
+    def feed(self, text: str) -> list[tuple[str, object]]:
+        self._buf += text
+        events: list[tuple[str, object]] = []
+        while True:
+            if not self._inside:
+                at = self._buf.find(OPEN)
+                if at < 0:
+                    keep = _partial_suffix(self._buf, OPEN)
+                    _text(events, self._buf[: len(self._buf) - keep])
+                    self._buf = self._buf[len(self._buf) - keep:]
+                    return events
+                _text(events, self._buf[:at])
+                self._buf = self._buf[at + len(OPEN):]
+                self._inside = True
+            else:
+                at = self._buf.find(CLOSE)
+                if at < 0:
+                    return events
+                body, self._buf = self._buf[:at], self._buf[at + len(CLOSE):]
+                self._inside = False
+                call = parse_call(body)
+                if call is None:
+                    _text(events, OPEN + body + CLOSE)
+                else:
+                    events.append(("tool_call", call))
+
+    def finish(self) -> list[tuple[str, object]]:
+        """The events still held back when the reply ends."""
+        events: list[tuple[str, object]] = []
+        if self._inside:
+            call = parse_call(self._buf)
+            if call is None:
+                _text(events, OPEN + self._buf)
+            else:
+                events.append(("tool_call", call))
+        else:
+            _text(events, self._buf)
+        self._buf, self._inside = "", False
+        return events
+
+
+def _text(events: list, text: str) -> None:
+    if text:
+        if events and events[-1][0] == "text":
+            events[-1] = ("text", events[-1][1] + text)
+        else:
+            events.append(("text", text))
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

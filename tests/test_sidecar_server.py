@@ -1,0 +1,368 @@
+"""The gRPC sidecar against a real redis-server: resume on another replica after SIGKILL, a corrupt
+KV chunk rebuilt by recompute, per-session ordering and request_id replay, cancellation and
+deadlines stopping the engine, Redis outages, bad requests, auth and tenants, graceful shutdown.
+
+Two sidecar processes (A, B: ``chainkv serve`` on SmolLM2, CPU) share one Redis with an
+in-process sidecar (C, on the shared ``smol_engine``, so its engine counters can be read).
+Turns are greedy and short.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
+from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
+
+from redis_server import RedisProcess
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENS = {"tok-alpha": "alpha", "tok-beta": "beta"}
+ALPHA = [("authorization", "Bearer tok-alpha")]
+BETA = [("authorization", "Bearer tok-beta")]
+TURNS = [
+    [("system", "You are a concise assistant."), ("user", "Name three fruits.")],
+    [("user", "Which of them is yellow?")],
+    [("tool", "Weather report: sunny, 21 C in Paris.")],
+    [("user", "Thanks. Name one more fruit.")],
+]
+C = grpc.StatusCode
+
+
+def request(session: str, turn: list[tuple[str, str]], request_id: str = "", **kw) -> pb.TurnRequest:
+    kw.setdefault("max_tokens", 8)
+    return pb.TurnRequest(session_id=session, request_id=request_id,
+                          messages=[pb.Message(role=r, content=c) for r, c in turn], **kw)
+
+
+def run(stub, req, metadata=ALPHA, **kw) -> tuple[list[pb.TurnEvent], pb.TurnCompletion]:
+    events = list(stub.Turn(req, metadata=metadata, **kw))
+    assert events[-1].WhichOneof("event") == "completion"
+    return events, events[-1].completion
+
+
+def wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def committed(stub, session: str, metadata=ALPHA) -> bool:
+    s = stub.GetSession(pb.GetSessionRequest(session_id=session), metadata=metadata)
+    return s.snapshot_state == pb.SNAPSHOT_STATE_COMMITTED and s.committed_generation == s.generation
+
+
+def serving(channel) -> bool:
+    h = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="chainkv.v1.Sidecar"))
+    return h.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class SidecarProcess:
+    """``chainkv serve`` in a subprocess on a free port, sharing the test's Redis."""
+
+    def __init__(self, store_url: str):
+        cmd = [sys.executable, "-m", "sidecar.cli", "serve", "--port", "0", "--store", store_url, "--device", "cpu",
+               "--num-pages", "3000", "--prefill-chunk-size", "128", "--max-model-len", "1024", "--grace-s", "10",
+               "--log-level", "WARNING"]
+        for token, tenant in TOKENS.items():
+            cmd += ["--auth-token", f"{token}={tenant}"]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.output: list[str] = []
+        self.port: int | None = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.output.append(line)
+            if "serving chainkv.v1.Sidecar on" in line:
+                self.port = int(line.split(" on ", 1)[1].split()[0].rsplit(":", 1)[1])
+                self._ready.set()
+        self._ready.set()
+
+    def wait_ready(self, timeout: float = 300.0) -> "SidecarProcess":
+        self._ready.wait(timeout)
+        if self.port is None:
+            raise RuntimeError("the sidecar did not start:\n" + "".join(self.output))
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = sidecar_pb2_grpc.SidecarStub(self.channel)
+        return self
+
+    def signal(self, sig: int, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+
+@pytest.fixture(scope="module")
+def redis_proc(tmp_path_factory):
+    proc = RedisProcess(tmp_path_factory.mktemp("redis")).start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def replicas(redis_proc):
+    """Sidecars A and B (processes), started together."""
+    a, b = SidecarProcess(redis_proc.url), SidecarProcess(redis_proc.url)
+    try:
+        yield a.wait_ready(), b.wait_ready()
+    finally:
+        for p in (a, b):
+            if p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def local(smol_engine, redis_proc):
+    """Sidecar C in this process (so the tests can read its engine's counters)."""
+    from sidecar.auth import Authenticator
+    from sidecar.server import ServerOptions, ServerThread
+    from sidecar.store import RedisStore
+
+    options = ServerOptions(port=0, auth=Authenticator(TOKENS), snapshot_retry_max_s=0.5, resume_wait_s=1.0,
+                            max_message_bytes=1 << 20)
+    server = ServerThread(smol_engine, options, RedisStore(redis_proc.url))
+    port = server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield server, sidecar_pb2_grpc.SidecarStub(channel), channel
+    channel.close()
+    server.stop(grace=2)
+    for sid in list(smol_engine.chains.chains):
+        smol_engine.end_session(sid)
+
+
+@pytest.fixture(scope="module")
+def on_a(replicas):
+    """On A: an uninterrupted 4-turn session (the reference), the same conversation stopped after
+    3 turns, and again after 2; once both snapshots are committed, A is SIGKILLed."""
+    a, _ = replicas
+    ref = [run(a.stub, request("ref", t))[1] for t in TURNS]
+    s1 = [run(a.stub, request("s1", t))[1] for t in TURNS[:3]]
+    c = [run(a.stub, request("c", t))[1] for t in TURNS[:2]]
+    wait_for(lambda: all(committed(a.stub, sid) for sid in ("ref", "s1", "c")), what="A's snapshots")
+    assert a.signal(signal.SIGKILL) == -signal.SIGKILL
+    return ref, s1, c
+
+
+def test_resume_on_another_replica_after_sigkill(replicas, on_a):
+    _, b = replicas
+    ref, s1, _ = on_a
+    assert [x.token_ids for x in s1] == [x.token_ids for x in ref[:3]]
+    assert [x.usage.source_tier for x in ref] == [pb.TIER_NEW] + [pb.TIER_GPU] * 3
+    info = b.stub.Resume(pb.ResumeRequest(session_id="s1", expected_turn_index=3), metadata=ALPHA)
+    assert info.source_tier == pb.TIER_STORE and info.turn_index == 3 and info.snapshot_error == ""
+    assert info.history_tokens == ref[2].usage.history_tokens
+    _, fourth = run(b.stub, request("s1", TURNS[3], expected_turn_index=3))
+    assert fourth.token_ids == ref[3].token_ids  # the same greedy tokens as the uninterrupted run
+    assert fourth.usage.source_tier == pb.TIER_STORE
+    assert fourth.usage.prefilled_tokens == ref[3].usage.prefilled_tokens  # only the new tokens were prefilled
+    # another tenant does not see the session
+    with pytest.raises(grpc.RpcError) as e:
+        b.stub.GetSession(pb.GetSessionRequest(session_id="s1"), metadata=BETA)
+    assert e.value.code() == C.NOT_FOUND
+
+
+def test_corrupt_kv_chunk_is_detected_and_rebuilt_by_recompute(replicas, on_a, redis_proc):
+    _, b = replicas
+    ref, _, c = on_a
+    r = redis_proc.client()
+    chunks = sorted(r.scan_iter("chainkv:{alpha/c}:kv:*"))
+    assert chunks, "the session's KV chunks are in Redis"
+    byte = r.getrange(chunks[0], 4096, 4096)
+    r.setrange(chunks[0], 4096, bytes([byte[0] ^ 0xFF]))
+    info = b.stub.Resume(pb.ResumeRequest(session_id="c"), metadata=ALPHA)
+    assert info.source_tier == pb.TIER_RECOMPUTE and "checksum" in info.snapshot_error
+    assert info.turn_index == 2 and info.state == pb.SESSION_STATE_HISTORY
+    _, third = run(b.stub, request("c", TURNS[2]))
+    assert third.usage.source_tier == pb.TIER_RECOMPUTE
+    # the whole history was prefilled again
+    assert third.usage.reused_tokens == 0
+    assert third.usage.prefilled_tokens == third.usage.history_tokens - third.usage.generated_tokens
+    assert third.token_ids == ref[2].token_ids
+    # KV made by another model (fingerprint) is never loaded: the session is rebuilt
+    r.hset("chainkv:{alpha/ref}:meta", "fingerprint", "other-model|LlamaForCausalLM|1x1x1|torch.float32|p16")
+    info = b.stub.Resume(pb.ResumeRequest(session_id="ref"), metadata=ALPHA)
+    assert info.source_tier == pb.TIER_RECOMPUTE and "made by 'other-model" in info.snapshot_error
+
+
+def test_second_turn_is_aborted_and_a_retry_replays_without_running_again(local):
+    server, stub, _ = local
+    eng = server.server.engine
+    first_req = request("busy", TURNS[0], "r1", max_tokens=40, ignore_eos=True)
+    stream = iter(stub.Turn(first_req, metadata=ALPHA))
+    head = [next(stream)]  # the turn is running
+    with pytest.raises(grpc.RpcError) as e:
+        run(stub, request("busy", TURNS[1], "r2"))
+    assert e.value.code() == C.ABORTED
+    with ThreadPoolExecutor(1) as pool:
+        early_retry = pool.submit(lambda: run(stub, first_req))  # arrives while the first attempt runs
+        events = head + list(stream)
+        first = events[-1].completion
+        decoded = eng.totals["decoded_tokens"]
+        waited_events, waited = early_retry.result(120)
+    late_events, late = run(stub, first_req)
+    assert not first.replayed and waited.replayed and late.replayed
+    assert len(first.token_ids) == 40
+    assert waited.token_ids == late.token_ids == first.token_ids and waited.text == late.text == first.text
+    assert waited.usage == first.usage and late.turn_index == first.turn_index == 0
+    text = "".join(ev.delta.text for ev in events if ev.WhichOneof("event") == "delta")
+    assert "".join(ev.delta.text for ev in late_events if ev.WhichOneof("event") == "delta") == text
+    assert eng.totals["decoded_tokens"] == decoded  # the engine ran the turn once
+    assert stub.GetSession(pb.GetSessionRequest(session_id="busy"), metadata=ALPHA).turn_index == 1
+
+
+def test_cancel_and_deadline_stop_the_engine_and_roll_the_turn_back(local):
+    server, stub, _ = local
+    eng = server.server.engine
+    run(stub, request("cancel", TURNS[0], max_tokens=4))
+    before = stub.GetSession(pb.GetSessionRequest(session_id="cancel"), metadata=ALPHA)
+    totals = dict(eng.totals)
+
+    def settled():
+        s = stub.GetSession(pb.GetSessionRequest(session_id="cancel"), metadata=ALPHA)
+        return s if s.state != pb.SESSION_STATE_ACTIVE and eng.stats()["running"] == 0 else None
+
+    call = stub.Turn(request("cancel", TURNS[1], max_tokens=300, ignore_eos=True), metadata=ALPHA)
+    for n, _ in enumerate(call, 1):
+        if n == 3:
+            call.cancel()
+            break
+    after = wait_for(settled, what="the cancelled turn to be aborted")
+    decoded = eng.totals["decoded_tokens"]
+    time.sleep(0.5)
+    assert eng.totals["decoded_tokens"] == decoded  # decoding stopped
+    assert eng.totals["finished_abort"] == totals["finished_abort"] + 1
+    assert decoded - totals["decoded_tokens"] < 300
+    assert after.turn_index == before.turn_index and after.digest == before.digest  # rolled back
+
+    with pytest.raises(grpc.RpcError) as e:
+        run(stub, request("cancel", TURNS[1], max_tokens=300, ignore_eos=True), timeout=1.5)
+    assert e.value.code() == C.DEADLINE_EXCEEDED
+    after = wait_for(settled, what="the expired turn to be aborted")
+    assert eng.totals["finished_abort"] == totals["finished_abort"] + 2
+    assert after.turn_index == before.turn_index and after.digest == before.digest
+    _, ok = run(stub, request("cancel", TURNS[1]))  # the session carries on
+    assert ok.turn_index == 1 and ok.usage.source_tier == pb.TIER_GPU
+
+
+def test_bad_requests_get_their_status_and_the_server_keeps_serving(local, smol_engine):
+    server, stub, channel = local
+    user = TURNS[1]
+    raw = request("utf8", [("user", "ZZZZ")]).SerializeToString().replace(b"ZZZZ", b"\xff\xfe\xfd\xfc")
+    raw_turn = channel.unary_stream("/chainkv.v1.Sidecar/Turn", request_serializer=lambda b: b,
+                                    response_deserializer=pb.TurnEvent.FromString)
+    too_long = [("user", "fruit " * (smol_engine.max_model_len + 10))]
+    cases = [
+        (lambda: run(stub, request("", user)), C.INVALID_ARGUMENT),
+        (lambda: run(stub, request("x" * 129, user)), C.INVALID_ARGUMENT),
+        (lambda: run(stub, request("bad{id}", user)), C.INVALID_ARGUMENT),
+        (lambda: run(stub, request("m", user, method="no_such_method")), C.INVALID_ARGUMENT),
+        (lambda: run(stub, request("long", too_long)), C.INVALID_ARGUMENT),
+        (lambda: list(raw_turn(raw, metadata=ALPHA)), C.INVALID_ARGUMENT),
+        (lambda: run(stub, request("neg", user, max_tokens=-1)), C.INVALID_ARGUMENT),
+        (lambda: run(stub, request("role", [("wizard", "hi")])), C.INVALID_ARGUMENT),
+        (lambda: stub.Resume(pb.ResumeRequest(session_id="never-seen"), metadata=ALPHA), C.NOT_FOUND),
+        (lambda: run(stub, request("big", [("user", "x" * (2 << 20))])), C.RESOURCE_EXHAUSTED),
+        (lambda: run(stub, request("anon", user), metadata=None), C.UNAUTHENTICATED),
+        (lambda: run(stub, request("anon", user), metadata=[("authorization", "Bearer nope")]), C.UNAUTHENTICATED),
+    ]
+    for i, (call, code) in enumerate(cases):
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == code, f"case {i}: {e.value.code()} {e.value.details()}"
+        assert serving(channel)
+    # optimistic concurrency: a client behind the session, a client ahead of every copy of it
+    run(stub, request("occ", TURNS[0]))
+    with pytest.raises(grpc.RpcError) as e:
+        run(stub, request("occ", TURNS[1], expected_turn_index=0))
+    assert e.value.code() == C.FAILED_PRECONDITION
+    wait_for(lambda: committed(stub, "occ"), what="the snapshot")
+    with pytest.raises(grpc.RpcError) as e:  # maybe another replica's snapshot is on its way: retry later
+        run(stub, request("occ", TURNS[1], expected_turn_index=5))
+    assert e.value.code() == C.UNAVAILABLE and "not turn 5 yet" in e.value.details()
+    child = stub.ForkSession(pb.ForkSessionRequest(session_id="occ", new_session_id="occ-child"), metadata=ALPHA)
+    assert child.turn_index == 1
+    with pytest.raises(grpc.RpcError) as e:
+        stub.ForkSession(pb.ForkSessionRequest(session_id="occ", new_session_id="occ-child"), metadata=ALPHA)
+    assert e.value.code() == C.ALREADY_EXISTS
+    _, a = run(stub, request("occ", TURNS[1], expected_turn_index=1))
+    _, b = run(stub, request("occ-child", TURNS[1], expected_turn_index=1))
+    assert a.token_ids == b.token_ids
+    _, tool = run(stub, request("occ", TURNS[2]))
+    pruned = stub.PruneHistory(pb.PruneHistoryRequest(session_id="occ", prune_roles=["tool"]), metadata=ALPHA)
+    assert pruned.pruned_tokens > 0 and pruned.removed > 0 and pruned.session.prune_log[-1].prune_policy == "drop"
+    # the same session id under another tenant is another session
+    _, other = run(stub, request("occ", TURNS[0]), metadata=BETA)
+    assert other.turn_index == 0
+    ended = stub.EndSession(pb.EndSessionRequest(session_id="occ-child"), metadata=ALPHA)
+    assert ended.ended_here
+    with pytest.raises(grpc.RpcError) as e:
+        stub.GetSession(pb.GetSessionRequest(session_id="occ-child"), metadata=ALPHA)
+    assert e.value.code() == C.NOT_FOUND
+    assert serving(channel)
+
+
+def test_demo_runs_a_session_against_the_sidecar(local):
+    import io
+
+    from sidecar.demo import calculate, run_demo
+
+    server, _, _ = local
+    assert calculate("37 * (40 + 1)") == "1517" and calculate("__import__('os')").startswith("error")
+    out = io.StringIO()
+    assert run_demo(f"127.0.0.1:{server.server.port}", "demo", max_tokens=12, token="tok-alpha", out=out) == 0
+    text = out.getvalue()
+    assert text.count("[turn ") >= 3 and "from new" in text and "from gpu" in text
+    assert "tool call" in text  # either a tool round trip or the note that the model answered directly
+    assert "session: " in text and server.server.sessions.local("alpha/demo") is None  # ended
+
+
+def test_redis_down_turns_still_run_snapshot_pending_then_written(local, replicas, redis_proc):
+    server, stub, channel = local
+    _, b = replicas
+    run(stub, request("down", TURNS[0]))
+    wait_for(lambda: committed(stub, "down"), what="the first snapshot")
+    redis_proc.stop()
+    try:
+        _, second = run(stub, request("down", TURNS[1]))
+        assert second.usage.source_tier == pb.TIER_GPU  # served from the accelerator
+        info = wait_for(lambda: (s := stub.GetSession(pb.GetSessionRequest(session_id="down"), metadata=ALPHA))
+                        .snapshot_error and s, what="the failed snapshot attempt")
+        assert info.snapshot_state == pb.SNAPSHOT_STATE_PENDING and info.committed_generation < info.generation
+        with pytest.raises(grpc.RpcError) as e:
+            b.stub.Resume(pb.ResumeRequest(session_id="down"), metadata=ALPHA)
+        assert e.value.code() == C.UNAVAILABLE
+        assert serving(channel)
+    finally:
+        redis_proc.start()
+    wait_for(lambda: committed(stub, "down"), what="the pending snapshot to be written")
+    meta = redis_proc.client().hgetall("chainkv:{alpha/down}:meta")
+    assert int(meta[b"turn_index"]) == 2
+    # B now resumes the session at turn 2; after its turn, SIGTERM drains and flushes before exiting
+    info = b.stub.Resume(pb.ResumeRequest(session_id="down", expected_turn_index=2), metadata=ALPHA)
+    assert info.source_tier == pb.TIER_STORE
+    _, third = run(b.stub, request("down", TURNS[2]))
+    assert b.signal(signal.SIGTERM) == 0
+    meta = redis_proc.client().hgetall("chainkv:{alpha/down}:meta")
+    assert int(meta[b"turn_index"]) == 3 and int(meta[b"generation"]) == third.generation
