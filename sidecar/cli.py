@@ -63,6 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key")
     g.add_argument("--tls-client-ca", default=None, metavar="PEM", help="require client certificates signed by this CA")
     g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    g.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one object per line")
+    g.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on this port (0 picks one); unset: no metrics")
+    g.add_argument("--metrics-host", default="0.0.0.0", help="address of the metrics port")
+    g.add_argument("--snapshot-hmac-key-file", default=None, metavar="FILE",
+                   help="sign stored sessions with HMAC-SHA256 and refuse any that fail it (one key per line; "
+                        "the first signs, all verify)")
+    g.add_argument("--max-sessions-per-tenant", type=int, default=None, metavar="N",
+                   help="live sessions one tenant may hold here (more: RESOURCE_EXHAUSTED)")
+    g.add_argument("--max-tokens-per-turn", type=int, default=None, metavar="N",
+                   help="max_tokens and new prompt tokens one turn may take (more: INVALID_ARGUMENT)")
     add_engine_args(srv)
 
     demo = sub.add_parser("demo", help="run a multi-turn, tool-using session against a running sidecar")
@@ -80,30 +91,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from engine.llm import LLMEngine
     from sidecar.auth import Authenticator
+    from sidecar.integrity import load_keys
+    from sidecar.limits import TenantLimits
+    from sidecar.logs import setup_logging
     from sidecar.protocol import Limits
-    from sidecar.server import ServerOptions, SidecarServer
+    from sidecar.serve_config import apply_settings
+    from sidecar.server import ServerHooks, ServerOptions, SidecarServer
     from sidecar.store import StoreError, open_store
 
-    logging.getLogger().setLevel(args.log_level.upper())
     try:
+        apply_settings(args, build_parser())
+        setup_logging(args.log_level, args.log_format)
         config = engine_config_from_args(args)
         auth = Authenticator.from_args(args.auth_token, args.auth_file)
         options = ServerOptions(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
                                 limits=Limits(default_max_tokens=args.default_max_tokens), snapshot_kv=args.snapshot_kv,
                                 session_idle_s=args.session_idle_s, grace_s=args.grace_s, auth=auth,
-                                tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
-        store = open_store(args.store, ttl_s=args.store_ttl)
+                                tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+                                tenant_limits=TenantLimits(args.max_sessions_per_tenant, args.max_tokens_per_turn))
+        store = open_store(args.store, ttl_s=args.store_ttl, hmac_keys=load_keys(args.snapshot_hmac_key_file))
     except (ValueError, OSError, StoreError) as e:
         print(f"chainkv: {e}", file=sys.stderr)
         return 2
     engine = LLMEngine(config)
+    hooks = ServerHooks()
+    if args.metrics_port is not None:
+        from sidecar.metrics import MetricsHooks
+
+        hooks = MetricsHooks(engine)
+        metrics_port = hooks.serve(args.metrics_port, args.metrics_host)
+        print(f"chainkv: metrics on http://{args.metrics_host}:{metrics_port}/metrics", flush=True)
 
     async def main() -> None:
-        server = SidecarServer(engine, options, store)
+        server = SidecarServer(engine, options, store, hooks)
         port = await server.start()
         print(f"chainkv: serving chainkv.v1.Sidecar on {args.host}:{port} (model {engine.model_dir.name}, "
               f"method {config.method}, device {engine.device}, store {store.describe() if store else 'none'}, "
-              f"auth {'on' if auth.enabled else 'off'})", flush=True)
+              f"auth {'on' if auth.enabled else 'off'}, snapshot hmac {'on' if store and store.hmac_keys else 'off'})",
+              flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -37,7 +37,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     values: dict = {}
-    if getattr(args, "config", None):
+    if getattr(args, "config_values", None) is not None:  # the YAML less its serve settings (serve_config.py)
+        values.update(EngineConfig.from_dict(args.config_values).to_dict())
+    elif getattr(args, "config", None):
         values.update(EngineConfig.from_yaml(args.config).to_dict())
     for f in dataclasses.fields(EngineConfig):
         v = getattr(args, f.name, None)

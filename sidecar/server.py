@@ -45,6 +45,9 @@ from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.auth import Authenticator, Unauthenticated
 from sidecar.chat import ChatError, ChatRenderer, tools_digest
 from sidecar.engine_loop import EngineFailed, EngineLoop
+from sidecar.integrity import SnapshotRejected
+from sidecar.limits import QuotaExceeded, TenantLimits, TurnTooLarge
+from sidecar.logs import bind_request
 from sidecar.protocol import (FINISH, TIERS, InvalidRequest, Limits, parse_turn, session_proto,
                               stored_session_proto, tool_call_proto)
 from sidecar.sessions import BadSessionId, Session, SessionManager, check_id, scoped_key
@@ -89,6 +92,8 @@ class ServerOptions:
     flush_timeout_s: float = 30.0
     """Shutdown: how long pending snapshots may take to write."""
     auth: Authenticator = field(default_factory=Authenticator)
+    tenant_limits: TenantLimits = field(default_factory=TenantLimits)
+    """Per-tenant quotas: live sessions, tokens per turn (sidecar/limits.py)."""
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
@@ -107,10 +112,18 @@ class ServerHooks:
     def on_snapshot(self, key: str, nbytes: int, seconds: float) -> None:
         pass
 
+    def on_snapshot_failed(self, key: str, reason: str) -> None:
+        """A snapshot attempt that did not commit (store down, conflict, refused)."""
+
+    def on_prune(self, pruned_tokens: int, removed: int) -> None:
+        """A PruneHistory call pruned ``pruned_tokens`` history tokens (``removed`` KV entries)."""
+
 
 _CODES: list[tuple[type[BaseException] | tuple, grpc.StatusCode]] = [
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
-    ((InvalidRequest, BadSessionId, ChatError, MethodError, SamplingError, ConfigError, ContextFull),
+    (QuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (SnapshotRejected, grpc.StatusCode.DATA_LOSS),
+    ((InvalidRequest, TurnTooLarge, BadSessionId, ChatError, MethodError, SamplingError, ConfigError, ContextFull),
      grpc.StatusCode.INVALID_ARGUMENT),
     (SessionNotFound, grpc.StatusCode.NOT_FOUND),
     (SessionExists, grpc.StatusCode.ALREADY_EXISTS),
@@ -180,6 +193,7 @@ class SidecarService:
         if isinstance(request, _BadMessage):
             raise InvalidRequest(f"the request could not be parsed: {request.error}")
         tenant = self.opts.auth.tenant(context.invocation_metadata())
+        bind_request(tenant, getattr(request, "session_id", ""))
         if self.srv.draining:
             raise Draining("the sidecar is shutting down; retry on another replica")
         if self.loop_.failed is not None:
@@ -223,7 +237,10 @@ class SidecarService:
     async def _turn(self, request, context):
         tenant = self._begin(request, context)
         args = parse_turn(request, self.opts.limits)
+        limits = self.opts.tenant_limits
+        args.params.max_tokens = limits.check_max_tokens(args.params.max_tokens, request.HasField("max_tokens"))
         key = scoped_key(tenant, args.session_id)
+        self._check_quota(tenant, key)
         s = await self.sessions.get(key, create=True, expected_turn_index=args.expected_turn_index,
                                     deadline=self._deadline(context))
         if args.request_id:
@@ -233,6 +250,12 @@ class SidecarService:
                     yield event
                 return
         running = self.sessions.begin_turn(s, args.request_id)
+        if not s.in_engine:  # a new session: recheck the quota now that it is taken (no await since)
+            try:
+                limits.check_new_session(tenant, self.sessions.all(), exclude=key)
+            except QuotaExceeded:
+                self.sessions.end_turn(s, running, None)
+                raise
         state: dict[str, Any] = {"finished": False, "completion": None, "t0": time.monotonic()}
         try:
             async for event in self._run_turn(s, key, args, state):
@@ -263,6 +286,7 @@ class SidecarService:
                                                args.shared_prefix_messages)
         else:
             rendered = await asyncio.to_thread(self.renderer.continuation, args.messages, s.ends_with_eot)
+        self.opts.tenant_limits.check_prompt(len(rendered.token_ids))
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -376,6 +400,12 @@ class SidecarService:
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 
+    def _check_quota(self, tenant: str, key: str) -> None:
+        """A request that would hold one more session of ``tenant`` here: within its quota?"""
+        s = self.sessions.local(key)
+        if s is None or not (s.in_engine or s.busy):
+            self.opts.tenant_limits.check_new_session(tenant, self.sessions.all(), exclude=key)
+
     async def settle_all(self) -> None:
         while self._settling:
             await asyncio.gather(*list(self._settling), return_exceptions=True)
@@ -388,6 +418,7 @@ class SidecarService:
         tenant = self._begin(request, context)
         key = scoped_key(tenant, request.session_id)
         expected = request.expected_turn_index if request.HasField("expected_turn_index") else None
+        self._check_quota(tenant, key)
         s = await self.sessions.get(key, create=False, expected_turn_index=expected, deadline=self._deadline(context))
         if not s.in_engine:
             raise SessionNotFound(f"no session {request.session_id!r}")
@@ -440,6 +471,7 @@ class SidecarService:
             raise SessionExists(f"session {request.new_session_id!r} already exists")
         if self.srv.store is not None and await asyncio.to_thread(self.srv.store.load, child_key, False) is not None:
             raise SessionExists(f"session {request.new_session_id!r} already exists (in the store)")
+        self.opts.tenant_limits.check_new_session(tenant, self.sessions.all(), exclude=child_key)
         running = self.sessions.begin_turn(parent, "")
         try:
             def fork():
@@ -498,6 +530,7 @@ class SidecarService:
         if tokens:
             s.update(info, self.sessions.end_of_turn_id)
             self.srv.mark_dirty(key)
+            self.hooks.on_prune(tokens, removed)
         return pb.PruneHistoryResponse(removed=removed, pruned_tokens=tokens,
                                        session=session_proto(request.session_id, info, s, has_store=self.srv.store is not None))
 

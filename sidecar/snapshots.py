@@ -135,6 +135,7 @@ class SnapshotWriter:
                 session = self.sessions.local(key)
                 if session is not None:
                     session.snapshot_error = str(e)
+                self._failed(key, "unavailable")
                 delay = min(self.retry_max_s, self.retry_base_s * 2 ** min(failures - 1, 20))
                 log.warning("snapshot of %s not written (%s); retrying in %.1fs", key, e, delay)
                 await asyncio.sleep(delay)
@@ -142,8 +143,14 @@ class SnapshotWriter:
                     self.mark_dirty(key)
             except Exception:  # a bug must not stop the writer
                 log.exception("snapshot of %s failed", key)
+                self._failed(key, "error")
             finally:
                 self._busy -= 1
+
+    def _failed(self, key: str, reason: str) -> None:
+        hook = getattr(self.hooks, "on_snapshot_failed", None)
+        if hook is not None:
+            hook(key, reason)
 
     async def write(self, key: str) -> None:
         """Write ``key``'s current state if the store is behind it."""
@@ -166,12 +173,14 @@ class SnapshotWriter:
                 session.stale = True
                 session.snapshot_error = str(e)
                 log.warning("%s; this replica's copy is stale", e)
+                self._failed(key, "conflict")
                 return
             except StoreUnavailable:
                 raise
             except StoreError as e:
                 session.snapshot_error = str(e)
                 log.error("snapshot of %s refused: %s", key, e)
+                self._failed(key, "refused")
                 return
             session.committed_generation = generation
             session.snapshot_error = None

@@ -15,7 +15,7 @@ A write puts the chunks first, then commits the meta on the *expected generation
 writer loaded or last committed; none for a new session): Redis checks it in a Lua script, the
 directory store under its lock. Readers trust only the chunks the committed meta lists, and each
 chunk is verified against the checksum the meta records for it (``Checksum``, SHA-256; a keyed
-HMAC can replace it without changing the format: the meta names the algorithm). Every key has
+HMAC replaces it when a key is configured, and the meta is then signed too: sidecar/integrity.py). Every key has
 a TTL (the directory store records ``expires_at`` and treats expired sessions as gone). Values
 are raw bytes, ASCII numbers or msgpack; no pickle anywhere.
 
@@ -50,7 +50,7 @@ DEFAULT_CHUNK_BYTES = 4 * 2**20
 _INT_FIELDS = ("generation", "turn_index")
 _RAW_FIELDS = ("tokens",)
 _STR_FIELDS = ("session_id", "digest", "fingerprint")
-_STORE_FIELDS = ("format", "kv", "app", "updated_at", "expires_at")
+_STORE_FIELDS = ("format", "kv", "app", "updated_at", "expires_at", "mac")
 
 
 class StoreError(RuntimeError):
@@ -76,11 +76,12 @@ class Checksum:
 
     name = "sha256"
 
-    def compute(self, data: bytes) -> str:
+    def compute(self, data: bytes, where: tuple = ()) -> str:
+        """``where``: (session key, chunk version, chunk index), for checksums bound to a chunk's place."""
         return hashlib.sha256(data).hexdigest()
 
-    def verify(self, data: bytes, expected: str) -> bool:
-        return hmac.compare_digest(self.compute(data), expected)
+    def verify(self, data: bytes, expected: str, where: tuple = ()) -> bool:
+        return hmac.compare_digest(self.compute(data, where), expected)
 
 
 @dataclass
@@ -160,12 +161,15 @@ class SessionStore:
     kind = "abstract"
 
     def __init__(self, ttl_s: float = DEFAULT_TTL_S, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 checksum: Checksum | None = None):
+                 checksum: Checksum | None = None, hmac_keys: Any = None):
+        """``hmac_keys``: a ``sidecar.integrity.SnapshotKeys``; the meta is then signed and checked,
+        and the chunks carry HMACs (see sidecar/integrity.py)."""
         if ttl_s <= 0 or chunk_bytes <= 0:
             raise ValueError("ttl_s and chunk_bytes must be positive")
         self.ttl_s = ttl_s
         self.chunk_bytes = chunk_bytes
-        self.checksum = checksum or Checksum()
+        self.hmac_keys = hmac_keys
+        self.checksum = checksum or (hmac_keys.checksum() if hmac_keys is not None else Checksum())
 
     # --- the protocol -------------------------------------------------------------------------------
     def save(self, key: str, stored: StoredSession, expected_generation: int | None) -> None:
@@ -175,8 +179,10 @@ class SessionStore:
         blob = stored.kv or b""
         chunks = [blob[i : i + self.chunk_bytes] for i in range(0, len(blob), self.chunk_bytes)]
         manifest = {"version": version, "chunks": len(chunks), "bytes": len(blob), "checksum": self.checksum.name,
-                    "sums": [self.checksum.compute(c) for c in chunks]}
+                    "sums": [self.checksum.compute(c, (key, version, i)) for i, c in enumerate(chunks)]}
         fields = encode_fields(stored, manifest, self.ttl_s)
+        if self.hmac_keys is not None:
+            self.hmac_keys.sign_meta(key, fields)
         if chunks:
             self._write_chunks(key, version, chunks)
         try:
@@ -194,6 +200,8 @@ class SessionStore:
             fields = self._read_meta(key)
             if not fields:
                 return None
+            if self.hmac_keys is not None:
+                self.hmac_keys.check_meta(key, fields)  # SnapshotRejected: nothing of it is used
             stored, manifest, expires = decode_fields(fields)
             if expires < time.time():
                 return None
@@ -209,7 +217,9 @@ class SessionStore:
                     continue  # a newer commit replaced these chunks while we read: read again
                 stored.kv_error = f"KV chunk {missing[0]} of {manifest['chunks']} is missing"
                 return stored
-            bad = [i for i, (p, s) in enumerate(zip(parts, manifest["sums"])) if not self.checksum.verify(p, s)]
+            where = [(key, manifest["version"], i) for i in range(len(parts))]
+            bad = [i for i, (p, s, w) in enumerate(zip(parts, manifest["sums"], where))
+                   if not self.checksum.verify(p, s, w)]
             if bad:
                 stored.kv_error = f"KV chunk {bad[0]} of {manifest['chunks']} fails its {self.checksum.name} checksum"
                 return stored
