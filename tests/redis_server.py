@@ -21,11 +21,13 @@ class RedisProcess:
     """``start`` / ``stop`` a redis-server; ``stop`` (SIGTERM) saves to its folder (a save point is
     configured), so a restart keeps the data."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, aof: bool = False):
         if shutil.which("redis-server") is None:
             pytest.skip("redis-server is not installed")
         self.folder = Path(folder)
         self.port = free_port()
+        self.aof = aof
+        """Append-only file with an fsync per write: a killed server loses no acknowledged write."""
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -40,7 +42,8 @@ class RedisProcess:
     def start(self) -> "RedisProcess":
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder),
-             "--save", "3600 1", "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"],
+             "--save", "3600 1", "--appendonly", "yes" if self.aof else "no", "--appendfsync", "always", "--protected-mode", "no", "--loglevel", "warning",
+             "--enable-debug-command", "local"],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 20
         while True:
@@ -51,6 +54,13 @@ class RedisProcess:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"redis-server did not start on port {self.port}")
                 time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, no save on the way out (with ``aof`` the append-only file keeps the data)."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
 
     def stop(self) -> None:
         if self.proc is None:
