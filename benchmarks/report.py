@@ -72,7 +72,31 @@ def generic_section(name: str, d: dict) -> str:
     return "\n\n".join([f"## {name}", intro, table(rows, cols)])
 
 
-RENDERERS = {"decode_throughput": decode_section, "kernel_bandwidth": kernel_section}
+def reliability_section(d: dict) -> str:
+    load = d.get("load") or {}
+    faults = table(d["faults"], [("fault", "fault injected"), ("count", "times"), ("sessions", "sessions"),
+                                 ("sessions_lost", "sessions lost"), ("committed_turns_lost", "committed turns lost")])
+    fuzz = table([{"rpc": k, "inputs": v["inputs"], "crashes": v["crashes"],
+                   "codes": ", ".join(f"{c} {n}" for c, n in sorted(v["codes"].items()))} for k, v in d["fuzz"].items()],
+                 [("rpc", "RPC"), ("inputs", "inputs"), ("crashes", "crashes"), ("codes", "status codes")])
+    load_line = (f"{load['sessions']} concurrent sessions x {load['turns_per_session']} turns "
+                 f"({load['max_tokens']} tokens each) on SmolLM2 (CPU) with a {load['pool_pages']}-page pool "
+                 f"({load['pages_per_full_session']} pages per full session, so about "
+                 f"{load['pool_pages'] // max(1, load['pages_per_full_session'])} fit at a time): "
+                 f"{load['turns_completed']} turns completed, {load['errors']} errors, {load['sessions_lost']} sessions "
+                 f"lost, {load['demotions']} demotions to host RAM, {load['preemptions']} preemptions, "
+                 f"{load['wall_s']} s, peak RSS {load['max_rss_mb']} MB.") if load else "Load test not run."
+    return "\n\n".join([
+        "## Reliability (faults, fuzzing, load)",
+        f"`{d.get('command', 'python benchmarks/reliability.py')}` on {d['machine']} ({d['created_at']}): "
+        f"**{d['faults_injected']} faults injected, {d['sessions_lost']} sessions lost; {d['inputs_fuzzed']} inputs "
+        f"fuzzed, {d['crashes']} crashes.** A resumed session continues with the same greedy tokens as an "
+        "uninterrupted run.",
+        faults, fuzz, load_line,
+    ])
+
+
+RENDERERS = {"decode_throughput": decode_section, "kernel_bandwidth": kernel_section, "reliability": reliability_section}
 
 
 def main() -> None:
