@@ -4,7 +4,9 @@ A serve flag ``--snapshot-hmac-key-file`` is also the YAML key ``snapshot_hmac_k
 ``--config`` file, beside the EngineConfig fields) and the environment variable
 ``CHAINKV_SNAPSHOT_HMAC_KEY_FILE``. Precedence: the command line, then the environment, then the
 YAML file, then the flag's default. Engine fields keep their own rule (YAML, overridden by
-flags). Kubernetes mounts the YAML from a ConfigMap and sets secrets' paths through env.
+flags). Kubernetes mounts the YAML from a ConfigMap and sets secrets' paths through env (with
+``enableServiceLinks: false``: a Service named ``chainkv`` would otherwise inject
+``CHAINKV_PORT=tcp://...``).
 """
 
 from __future__ import annotations

@@ -78,6 +78,7 @@ def test_native_sidecar_probes_resources_and_security(rendered):
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert sidecar[probe]["grpc"] == {"port": 50051, "service": "chainkv.v1.Sidecar"}
     assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] != 0
+    assert pod["enableServiceLinks"] is False  # no CHAINKV_PORT=tcp://... from a Service named chainkv
     assert sidecar["securityContext"]["readOnlyRootFilesystem"] and sidecar["securityContext"]["capabilities"]["drop"] == ["ALL"]
     env = {e["name"]: e["value"] for e in sidecar["env"]}
     assert env["CHAINKV_SNAPSHOT_HMAC_KEY_FILE"].startswith("/etc/chainkv/secrets/")
