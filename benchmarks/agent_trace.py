@@ -28,7 +28,8 @@ existing one (``--target HOST:PORT``). Random weights with real shapes for GPU r
 ``--random-weights llama-3.1-8b --tokenizer benchmarks/.tokenizer`` (the tokenizer folder is made
 by ``--prep-tokenizer`` from the local SmolLM2 conversion; the model gets its vocabulary size).
 
-    python benchmarks/agent_trace.py --device cpu --out benchmarks/results/agent_trace_cpu.json
+    python benchmarks/agent_trace.py --device cpu --num-pages 40000 --max-model-len 8192 \
+        --prefill-chunk-size 512 --out benchmarks/results/agent_trace_cpu.json   # the CPU run (SmolLM2)
     benchmarks/agent_trace_gpu.sh          # the H200 run (see its header)
 """
 
@@ -65,16 +66,16 @@ SYSTEM_HEAD = ("You are an autonomous research agent. Work step by step. Call on
 
 @dataclass
 class TraceParams:
-    sessions: int = 4
-    turns: int = 6
-    system_words: int = 400
+    sessions: int = 3
+    turns: int = 8
+    system_words: int = 300
     task_words: int = 40
-    tool_median: int = 200
+    tool_median: int = 300
     tool_sigma: float = 0.6
     tool_min: int = 16
     tool_max: int = 1200
-    output_tokens: int = 16
-    think_s: float = 0.2
+    output_tokens: int = 8
+    think_s: float = 0.1
     trace_seed: int = 0
 
 
@@ -212,9 +213,9 @@ async def replay(target: str, args, params: TraceParams) -> dict:
         await run_config(client, Config("dense", True, "dense", False), wtrace, wthinks, args, "warmup")
         for cfg in configs:
             if cfg.method not in known:
-                msg = f"{cfg.name}: skipped: the sidecar has no method {cfg.method!r} (it knows {', '.join(sorted(known))})"
-                print(msg)
-                skipped.append({"config": cfg.name, "reason": msg})
+                reason = f"the sidecar has no method {cfg.method!r} (it knows {', '.join(sorted(known))})"
+                print(f"{cfg.name}: skipped: {reason}")
+                skipped.append({"config": cfg.name, "reason": reason})
                 continue
             t0 = time.perf_counter()
             rows = await run_config(client, cfg, trace, thinks, args, "run")
@@ -294,7 +295,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="nochain,dense,snapkv,quest,dense+prune")
     ap.add_argument("--target", default=None, help="an existing sidecar (default: one in this process)")
-    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=3)
     ap.add_argument("--method-budget", type=int, default=512, help="KV tokens per head of the sparse methods' sessions")
     ap.add_argument("--tool-prune-lag", type=int, default=1, help="+prune: drop tool spans at least this many turns old")
     ap.add_argument("--turn-timeout-s", type=float, default=600.0)

@@ -308,3 +308,29 @@ def test_async_client_streams_and_sessions_are_ordered(sidecar):
     assert isinstance(events[-1], TurnResult) and any(isinstance(e, TextDelta) for e in events)
     assert not any(isinstance(e, ToolCall) for e in events)
     assert second.turn_index == 1 and second.usage.reused_tokens > 0
+
+
+# --- the examples ----------------------------------------------------------------------------------
+
+def _example(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_examples_run_against_the_sidecar(sidecar):
+    _, target = sidecar
+    lines: list[str] = []
+    history = _example("langchain_agent").run(target, questions=["What is 2 + 3?", "Thanks."], max_tokens=12,
+                                              thread_id="ex-lc", out=lines.append)
+    answers = [line for line in lines if line.startswith("assistant:")]
+    assert len(answers) >= 2 and "reused]" in answers[-1] and " 0 reused]" not in answers[-1]
+    assert session_of(target, "ex-lc").turn_index == len([m for m in history if m.type == "ai"])
+    llm = _example("llamaindex_chat").run(target, questions=["Hi!", "Name a color."], max_tokens=8,
+                                          session_id="ex-li", out=lines.append)
+    assert session_of(target, llm.session_id).turn_index == 2  # the chat engine's second message continued the session
