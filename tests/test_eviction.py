@@ -69,8 +69,8 @@ def _spy(engine, spec):
 
     def after_decode(layer, batch):
         k, v, pos, _ = batch.cache.gather(batch.seq_ids[0], layer)
-        seen["decode"][layer] = dict(q=batch.q[:1].clone(), qpos=torch.tensor([batch.num_tokens[0] - 1]), k=k.clone(),
-                                     v=v.clone(), pos=pos.clone())
+        seen["decode"].setdefault(layer, []).append(dict(q=batch.q[:1].clone(), qpos=torch.tensor([batch.num_tokens[0] - 1]), k=k.clone(),
+                                     v=v.clone(), pos=pos.clone()))
         return orig_decode(layer, batch)
 
     m.after_prefill_chunk, m.after_decode = after_prefill_chunk, after_decode
@@ -164,8 +164,8 @@ def test_tova_rule_prefill_and_decode(tiny_engine):
         s = probs_of(rec)[:, -1].mean(0)  # last query, averaged over all heads of the layer
         assert kept[layer] == [top(s, B)] * 2
     seen, kept = _run(tiny_engine, MethodSpec("tova", budget=N), 2)  # the first decode step drops one
-    for layer, rec in seen["decode"].items():
-        s = probs_of(rec)[:, 0].mean(0)
+    for layer, recs in seen["decode"].items():
+        s = probs_of(recs[-1])[:, 0].mean(0)
         assert kept[layer] == [top(s, N)] * 2
 
 
@@ -179,7 +179,7 @@ def test_h2o_rule_prefill_and_decode(tiny_engine):
     seen, kept = _run(tiny_engine, MethodSpec("h2o", budget=N), 2)
     recent = N // 2
     for layer in seen["decode"]:
-        pre, dec = seen["prefill"][layer], seen["decode"][layer]
+        pre, dec = seen["prefill"][layer], seen["decode"][layer][-1]
         acc = F.pad(probs_of(pre).sum(1), (0, 1)) + probs_of(dec)[:, 0]
         acc = acc.reshape(2, 2, N + 1).sum(1)
         for h in range(2):
@@ -196,16 +196,64 @@ def test_keydiff_rule(tiny_engine):
             assert kept[layer][h] == top(s[h], B)
 
 
+def test_expected_attention_rule(tiny_engine):
+    n_future, n_sink = 16, 2
+    engine = tiny_engine
+    seen, kept = _run(engine, MethodSpec("expected_attention", budget=B, method_args={"n_future_positions": n_future, "n_sink": n_sink}), 1)
+    cos, sin = engine.model.rope_cos.float(), engine.model.rope_sin.float()
+    D = cos.shape[-1]
+
+    def rope(x, p):  # rotate-half RoPE of row vectors x [.., D] at position p
+        return x * cos[p] + torch.cat([-x[..., D // 2:], x[..., : D // 2]], -1) * sin[p]
+
+    # the average rotation over the next n_future positions, built from RoPE applied to a basis
+    R = torch.stack([rope(torch.eye(D), p).T for p in range(N, N + n_future)]).mean(0)
+    for layer, rec in seen["prefill"].items():
+        q = rec["q"].float()[n_sink:]  # [n, Hq, D] after RoPE
+        # undo RoPE: the inverse rotation is RoPE at the negative angle (cos, -sin)
+        pre = torch.stack([q[i] * cos[n_sink + i] - torch.cat([-q[i, :, D // 2:], q[i, :, : D // 2]], -1) * sin[n_sink + i]
+                           for i in range(q.shape[0])])
+        assert torch.allclose(torch.stack([rope(pre[i], n_sink + i) for i in range(q.shape[0])]), q, atol=1e-5)
+        mu = pre.mean(0)  # [Hq, D]
+        cov = torch.einsum("nhd,nhe->hde", pre - mu, pre - mu) / pre.shape[0]
+        mu, cov = mu @ R.T, R @ cov @ R.T
+        k, v = rec["k"].float().repeat_interleave(2, 0), rec["v"].float()
+        logit = torch.einsum("htd,hd->ht", k, mu) / math.sqrt(D) + torch.einsum("htd,hde,hte->ht", k, cov, k) / (2 * D)
+        s = torch.softmax(logit[:, n_sink:], -1).reshape(2, 2, -1).mean(1) * v[:, n_sink:].norm(dim=-1)
+        for h in range(2):
+            assert kept[layer][h] == list(range(n_sink)) + [n_sink + i for i in top(s[h], B - n_sink)], (layer, h)
+
+
+def test_rkv_rule(tiny_engine):
+    seen, kept = _run(tiny_engine, MethodSpec("rkv", budget=N, method_args={"interval": 2, "window_size": 2}), 3)
+    w, lam = 2, 0.1
+    for layer, recs in seen["decode"].items():
+        rec = dict(recs[-1])
+        rec["q"] = torch.cat([recs[-2]["q"], recs[-1]["q"]])
+        rec["qpos"] = torch.tensor([N, N + 1])
+        T = N + 2
+        m = T - w
+        imp = probs_of(rec)[:, :, :m].mean(1).reshape(2, 2, m).max(1).values
+        imp = F.max_pool1d(imp[:, None], 7, stride=1, padding=3)[:, 0]
+        unit = F.normalize(rec["k"][:, :m].float(), dim=-1)
+        sim = unit @ unit.transpose(1, 2)
+        sim = sim * (1 - torch.eye(m))
+        red = torch.softmax(sim.mean(-1), -1)
+        s = lam * imp - (1 - lam) * red
+        for h in range(2):
+            assert kept[layer][h] == top(s[h], N - w) + [m, m + 1], (layer, h)
+
+
 # --- 3. pages really go back to the pool; per-head / per-layer budgets add up ---------------------
 def test_pages_freed_and_budgets_add_up():
     engine = LLMEngine(EngineConfig(num_pages=20000, prefill_chunk_size=512, max_num_batched_tokens=4096))
-    prompt = chat(engine, haystack(30) + " What color is item 3?")
-    n, budget = len(prompt), 128
+    prompt = chat(engine, haystack(12) + " What color is item 3?")
+    n, budget = len(prompt), 48
     L, H, P = engine.shape.num_layers, engine.shape.num_kv_heads, engine.config.page_size
     names = [m for m in EVICTION if m != "streaming_llm"]
     free_before = engine.pool.num_free
     ids = {m: engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True),
-                                 method=MethodSpec(m, budget=budget, method_args={"window_size": 16} if m in ("snapkv", "pyramidkv") else {}))
+                                 method=MethodSpec(m, budget=budget, method_args={"window_size": 8} if m in ("snapkv", "pyramidkv") else {}))
            for m in names}
     engine.step()  # every prompt in, compressed, and its first token sampled
     held = 0
