@@ -21,6 +21,12 @@ Hooks, in the order the engine calls them (see DESIGN.md):
 ``release(seq)``                           the sequence ends: drop state
 =========================================  =====================================================
 
+Attention scores: a method that reads attention probabilities says so, and the attention backend
+computes them only then — ``prefill_probs_window(chunk) > 0`` asks for the probabilities of the
+chunk's last queries (an observation window), ``needs_decode_probs`` for those of decode steps.
+(DESIGN.md calls this ``needs_scores``; these two are its spelling here.) Methods that score from
+K/V alone (KeyDiff, Expected Attention) read the cache through :class:`KVReader` instead.
+
 Physical indices: within one (sequence, layer, kv-head), tokens sit in arrival order and eviction
 keeps that order, so index ``i`` is the i-th oldest token the head still holds. Their original
 positions are available from :class:`KVReader` for methods that need them.
@@ -53,6 +59,10 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     page_size: int
+    rope_cos: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    """``[max_len, head_dim]`` float32 RoPE tables of the model (rotate-half convention), for
+    methods that reason about positions (Expected Attention); None for models without them."""
+    rope_sin: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def group_size(self) -> int:

@@ -188,7 +188,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "text": final.text,
             "finish_reason": final.finish_reason,
             "usage": {"prompt_tokens": len(tokens), "generated_tokens": len(final.token_ids),
-                      "time_to_first_token_s": final.time_to_first_token},
+                      "time_to_first_token_s": final.time_to_first_token,
+                      "evicted_tokens": engine.stats()["evicted_tokens"]},
             "method": config.method,
         }))
     else:

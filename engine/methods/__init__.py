@@ -10,10 +10,19 @@ import dataclasses
 import sys
 
 from engine.lifecycle import MethodError, MethodSpec, ModelShape, SparseMethod
+from engine.methods.adakv import AdaKV
 from engine.methods.dense import Dense
+from engine.methods.expected_attention import ExpectedAttention
+from engine.methods.h2o import H2O
+from engine.methods.keydiff import KeyDiff
+from engine.methods.pyramidkv import PyramidKV
+from engine.methods.rkv import RKV
+from engine.methods.snapkv import SnapKV
 from engine.methods.streaming_llm import StreamingLLM
+from engine.methods.tova import TOVA
 
 REGISTRY: dict[str, type[SparseMethod]] = {cls.name: cls for cls in (Dense, StreamingLLM)}
+REGISTRY.update({cls.name: cls for cls in (H2O, TOVA, SnapKV, PyramidKV, AdaKV, KeyDiff, ExpectedAttention, RKV)})  # eviction family
 
 
 def get_method_class(name: str) -> type[SparseMethod]:
