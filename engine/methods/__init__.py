@@ -11,12 +11,14 @@ import sys
 
 from engine.lifecycle import MethodError, MethodSpec, ModelShape, SparseMethod
 from engine.methods.dense import Dense
+from engine.methods.duo_attention import DuoAttention
 from engine.methods.infllm_offload import InfLLMOffload
+from engine.methods.omnikv import OmniKV
 from engine.methods.quest import Quest
 from engine.methods.streaming_llm import StreamingLLM
 
 REGISTRY: dict[str, type[SparseMethod]] = {cls.name: cls for cls in (Dense, StreamingLLM)}
-REGISTRY.update({cls.name: cls for cls in (Quest, InfLLMOffload)})
+REGISTRY.update({cls.name: cls for cls in (Quest, OmniKV, InfLLMOffload, DuoAttention)})
 
 
 def get_method_class(name: str) -> type[SparseMethod]:

@@ -61,7 +61,7 @@ class PageSummaries:
                 if r == "sum":
                     buf.index_add_(0, flat, src)
                 else:
-                    buf.index_reduce_(0, flat, src, r, include_self=True)
+                    buf.scatter_reduce_(0, flat[:, None].expand_as(src), src, r, include_self=True)
             entry["covered"] = lengths.clone()
         return {r: entry[r][:, :num_pages] for r in self.reductions}
 
