@@ -72,7 +72,21 @@ def generic_section(name: str, d: dict) -> str:
     return "\n\n".join([f"## {name}", intro, table(rows, cols)])
 
 
-RENDERERS = {"decode_throughput": decode_section, "kernel_bandwidth": kernel_section}
+def selection_overhead_section(d: dict) -> str:
+    cols = [("method", "method"), ("budget", "budget"), ("batch", "batch"), ("context", "context"),
+            ("step_ms", "step ms"), ("x_dense", "x dense"), ("device_pages_per_seq", "device pages/seq"),
+            ("host_pages_per_seq", "host pages/seq"), ("fetched_pages_per_step", "fetched pages/step/seq")]
+    return "\n\n".join([
+        "## Selection overhead (quest, omnikv, offload, duo_attention)",
+        f"`benchmarks/selection_overhead.py` on {d['device']} ({d['backend']} backend, {d['model']}, page "
+        f"{d['page_size']}): decode step time over synthetic KV next to dense in the same run, and where each "
+        "sequence's pages sit at the end (offload: device pages stay at the budget, the rest on the host).",
+        table(d["rows"], cols),
+    ])
+
+
+RENDERERS = {"decode_throughput": decode_section, "kernel_bandwidth": kernel_section,
+             "selection_overhead": selection_overhead_section}
 
 
 def main() -> None:

@@ -28,18 +28,27 @@ def prompt(smol_engine):
     return chat(smol_engine, haystack(12) + " What color is item 5?")  # ~135 tokens
 
 
-@pytest.fixture(scope="module")
-def dense_tokens(smol_engine, prompt):
-    return smol_engine.generate(prompt, SamplingParams(max_tokens=32, ignore_eos=True))[0].token_ids
+def _run_together(eng, prompt, specs, max_tokens, check=None):
+    """Run one request per spec in the same batches (mixed methods); token ids per spec, in order."""
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    ids = [eng.add_request(prompt, sp, method=spec) for spec in specs]
+    done = {}
+    while len(done) < len(ids):
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+        if check is not None:
+            check(ids, done)
+    return [done[i] for i in ids]
 
 
 # --- 1. a selection that covers everything is dense ---------------------------------------------------
-@pytest.mark.parametrize("method", NEW_METHODS)
-def test_covering_selection_equals_dense(smol_engine, prompt, dense_tokens, method):
-    spec = MethodSpec(method, budget=4096)
-    out = smol_engine.generate(prompt, SamplingParams(max_tokens=32, ignore_eos=True), method=spec)[0]
-    assert len(out.token_ids) == 32
-    assert out.token_ids == dense_tokens
+def test_covering_selection_equals_dense(smol_engine, prompt):
+    specs = [MethodSpec("dense")] + [MethodSpec(m, budget=4096) for m in NEW_METHODS]
+    dense, *others = _run_together(smol_engine, prompt, specs, 32)
+    assert len(dense) == 32
+    for method, tokens in zip(NEW_METHODS, others):
+        assert tokens == dense, method
 
 
 # --- 2. quest's rule on small tensors ----------------------------------------------------------------------
@@ -127,30 +136,30 @@ def test_offload_keeps_device_pages_within_budget(smol_engine, prompt):
     L, H, P = eng.shape.num_layers, eng.shape.num_kv_heads, eng.shape.page_size
     args = {"n_sink": 16, "n_local": 16}
     spec = MethodSpec("offload", budget=3 * P, method_args=args)
+    # the same selection without the host tier, in the same batches: the host round trip must be lossless
+    twin = MethodSpec("offload", budget=3 * P, method_args={**args, "use_host": False})
     per_head = create_method(spec, eng.shape).layout(len(prompt))[2] + 1  # read set + the page being written
-    sp = SamplingParams(max_tokens=24, ignore_eos=True)
     base = eng.pool.num_used
-    rid = eng.add_request(prompt, sp, method=spec)
-    steps, tokens = 0, None
-    while tokens is None:
-        for out in eng.step():
-            if out.finished:
-                tokens = out.token_ids
-        if tokens is None and eng._seqs[rid].in_decode and eng._seqs[rid].num_cached > len(prompt):
-            steps += 1
-            device_pages = eng.manager.num_pages(rid)
-            cold = sum(eng.manager.num_host_pages(rid, layer) for layer in range(L))
-            lengths = eng.manager.seq_lengths(rid)
-            assert eng.pool.num_used - base == device_pages  # the pool's own counter agrees
-            assert device_pages <= L * H * per_head
-            assert cold > 0 and eng.pool.host.num_used >= cold
-            # every page of every head is on the device or on the host
-            assert device_pages + cold == int(((lengths + P - 1) // P).sum())
-    assert steps >= 20
+    seen = []
+
+    def check(ids, done):
+        rid, other = ids
+        if rid in done or not eng._seqs[rid].in_decode or eng._seqs[rid].num_cached <= len(prompt):
+            return
+        device_pages = eng.manager.num_pages(rid)
+        cold = sum(eng.manager.num_host_pages(rid, layer) for layer in range(L))
+        lengths = eng.manager.seq_lengths(rid)
+        assert eng.pool.num_used - base == device_pages + eng.manager.num_pages(other)  # the pool's counter agrees
+        assert device_pages <= L * H * per_head
+        assert cold > 0 and eng.pool.host.num_used >= cold
+        assert device_pages + cold == int(((lengths + P - 1) // P).sum())  # every page is on one tier or both
+        assert eng.manager.num_pages(other) == int(((lengths + P - 1) // P).sum())  # the twin keeps all on the device
+        seen.append(device_pages)
+
+    tokens, same = _run_together(eng, prompt, [spec, twin], 24, check)
+    assert len(seen) >= 20
     assert eng.pool.num_used == base and eng.pool.host.num_used == 0  # all freed at the end
-    # the host round trip is lossless: the same selection without the host tier decodes the same
-    same = eng.generate(prompt, sp, method=MethodSpec("offload", budget=3 * P, method_args={**args, "use_host": False}))
-    assert same[0].token_ids == tokens
+    assert tokens == same
 
 
 def test_offloaded_session_snapshots_and_continues(smol_engine, prompt):
@@ -161,8 +170,9 @@ def test_offloaded_session_snapshots_and_continues(smol_engine, prompt):
     for sid, use_host in (("off-host", True), ("off-dev", False)):
         spec = MethodSpec("offload", budget=3 * P, method_args={"n_sink": 16, "n_local": 16, "use_host": use_host})
         eng.add_turn(sid, prompt, sp, method=spec)
-        while eng.has_unfinished():
-            eng.step()
+    while eng.has_unfinished():
+        eng.step()
+    for sid in ("off-host", "off-dev"):
         outs[sid] = [eng.snapshot_session(sid).kv]
     assert sum(eng.manager.num_host_pages("off-host", layer) for layer in range(eng.shape.num_layers)) > 0
     a, b = outs["off-host"][0], outs["off-dev"][0]
@@ -171,10 +181,11 @@ def test_offloaded_session_snapshots_and_continues(smol_engine, prompt):
     second = chat(eng, "And item 7?")
     for sid in outs:
         eng.add_turn(sid, second, sp)
-        done = None
-        while done is None:
-            done = next((o for o in eng.step() if o.finished and o.request_id == sid), None)
-        outs[sid].append(done.token_ids)
+    done = {}
+    while len(done) < 2:
+        done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    for sid in outs:
+        outs[sid].append(done[sid])
         eng.end_session(sid)
     assert outs["off-host"][1] == outs["off-dev"][1]
 

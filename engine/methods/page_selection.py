@@ -112,4 +112,6 @@ def select_pages(scores: torch.Tensor, lengths: torch.Tensor, page_size: int, k:
     s = torch.where(inside, s, torch.tensor(float("-inf"), device=dev))
     s = torch.nan_to_num(s, nan=float("-inf"), posinf=float("inf"))
     top = torch.topk(s, min(k, NP), dim=-1)
-    return torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, -1))
+    chosen = torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, NP))
+    chosen = torch.sort(chosen, dim=-1).values  # in page order (a covering list reads like dense), -1 last
+    return torch.where(chosen < NP, chosen, torch.full_like(chosen, -1))
