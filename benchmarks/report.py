@@ -156,10 +156,24 @@ def agent_trace_section(d: dict, stem: str) -> str:
     return "\n\n".join(parts)
 
 
+def selection_overhead_section(d: dict) -> str:
+    cols = [("method", "method"), ("budget", "budget"), ("batch", "batch"), ("context", "context"),
+            ("step_ms", "step ms"), ("x_dense", "x dense"), ("device_pages_per_seq", "device pages/seq"),
+            ("host_pages_per_seq", "host pages/seq"), ("fetched_pages_per_step", "fetched pages/step/seq")]
+    return "\n\n".join([
+        "## Selection overhead (quest, omnikv, offload, duo_attention)",
+        f"`benchmarks/selection_overhead.py` on {d['device']} ({d['backend']} backend, {d['model']}, page "
+        f"{d['page_size']}): decode step time over synthetic KV next to dense in the same run, and where each "
+        "sequence's pages sit at the end (offload: device pages stay at the budget, the rest on the host).",
+        table(d["rows"], cols),
+    ])
+
+
+
 RENDERERS = {"decode_throughput": decode_section, "kernel_bandwidth": kernel_section,
              "agent_trace_cpu": lambda d: agent_trace_section(d, "agent_trace_cpu"),
              "agent_trace_gpu": lambda d: agent_trace_section(d, "agent_trace_gpu"),
-             "reliability": reliability_section}
+             "reliability": reliability_section, "selection_overhead": selection_overhead_section}
 
 
 def main() -> None:

@@ -154,7 +154,9 @@ class DecodeBatch:
     """``[B, H]`` (host): physical tokens per kv-head, the new token included."""
     cache: KVReader
     probs: torch.Tensor | None = None
-    """``[B, Hq, T]`` attention probabilities of this step (when ``needs_decode_probs``)."""
+    """``[B, Hq, T]`` attention probabilities of this step (when ``needs_decode_probs_at(layer)``)."""
+    k: torch.Tensor | None = None
+    """``[B, H, D]`` the step's new keys (after RoPE), already in the cache at index ``lengths - 1``."""
 
 
 @dataclass
@@ -165,6 +167,10 @@ class Selection:
     """``[B, H, K]`` indices into each head's page list (-1 = unused)."""
     token_mask: torch.Tensor | None = None
     """``[B, H, T]`` bool over physical tokens."""
+    to_host: torch.Tensor | None = None
+    """``[B, H, M]`` indices into each head's page list to move to the host tier before attention
+    (-1 = none). Offload methods set it; pages in ``selected_pages`` that sit on the host are
+    fetched back to the device before attention reads them."""
 
 
 @dataclass
@@ -191,6 +197,10 @@ class SparseMethod:
         self.params = build_params(type(self), spec.method_args)
         if self.needs_budget and spec.budget is None and spec.budget_ratio is None:
             raise MethodError(f"method {self.name!r} needs budget (tokens per head) or budget_ratio")
+
+    def needs_decode_probs_at(self, layer: int) -> bool:
+        """Decode probabilities for one layer only (a method that scores a few layers overrides it)."""
+        return self.needs_decode_probs
 
     # --- budget -------------------------------------------------------------------------------
     def budget_for(self, num_tokens: int) -> int | None:
