@@ -82,11 +82,23 @@ class EngineLoop:
 
     # --- the thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # the thread itself broke: nothing may wait on it forever
+            self._fail(e)
+            with self._cv:
+                commands = list(self._commands)
+                self._commands.clear()
+            for *_, fut in commands:
+                self._resolve(fut, error=EngineFailed(f"the engine thread stopped: {e}"))
+
+    def _loop(self) -> None:
         eng = self.engine
         if eng.device.type == "cuda":  # kernels and CUDA graphs launch on the engine's device from this thread
             import torch
 
-            torch.cuda.set_device(eng.device)
+            # "cuda" without an index means the current device; set_device needs an index
+            torch.cuda.set_device(eng.device.index if eng.device.index is not None else torch.cuda.current_device())
         while True:
             with self._cv:
                 while not self._commands and not self._stop and not (eng.has_unfinished() and self.failed is None):
