@@ -1,19 +1,33 @@
 #!/usr/bin/env bash
-# What we run on the H200 (device tool): GPU tests, kernel bandwidth, decode throughput.
-# Usage: bash benchmarks/gpu_checks.sh OUTDIR [quick|full]
+# What we run on the H200 (device tool): GPU tests, kernel bandwidth, decode throughput, profile.
+# Usage: bash benchmarks/gpu_checks.sh OUTDIR [quick|full|tests]
+#
+# The device image has grpcio 1.84, older than the checked-in stubs need (1.85.1). Carry wheels in
+# the ignored folder .whl/ (grpcio, protobuf, grpcio-health-checking, grpcio-reflection, redis):
+#   pip download --no-deps --only-binary=:all: --platform manylinux2014_x86_64 --python-version 312 \
+#       -d .whl grpcio==1.85.1 protobuf==7.35.1
+#   pip download --no-deps -d .whl grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 redis
+# and run: run(command="bash benchmarks/gpu_checks.sh $OUT full", carry=[".whl"])
 set -uo pipefail
 out=${1:-/tmp/out}; mode=${2:-quick}
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
-python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_gpu.py 2>&1 | tail -15 | tee "$out/gpu_tests.txt"
-if [ "$mode" = quick ]; then
-  python3 benchmarks/kernel_bandwidth.py --out "$out/kernel_bandwidth.json" 2>&1 | tail -45
-  python3 benchmarks/decode_throughput.py --shape tiny --context 2048 --skip-hf --methods streaming_llm --steps 6 \
-      --out "$out/decode_tiny.json" 2>&1 | tail -12
-  python3 benchmarks/decode_throughput.py --methods streaming_llm --no-real-prefill --steps 8 \
-      --out "$out/decode_throughput.json" 2>&1 | tail -30
-else
-  python3 benchmarks/decode_throughput.py --out "$out/decode_throughput.json" 2>&1 | tail -40
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --find-links .whl grpcio==1.85.1 protobuf==7.35.1 \
+      grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 redis 2>&1 | grep -v -i warning | tail -3
 fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+python3 -c "import torch, triton, transformers, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'grpcio', grpc.__version__)" | tee -a "$out/gpu.txt"
+gpu_tests=$(grep -l "cuda.is_available" tests/*.py tests/reliability/*.py 2>/dev/null | tr '\n' ' ')
+echo "python3 -m pytest -q $gpu_tests" | tee "$out/gpu_tests.txt"
+python3 -m pytest -q -p no:cacheprovider -rs $gpu_tests 2>&1 | tail -25 | tee -a "$out/gpu_tests.txt"
+case "$mode" in
+  tests) ;;
+  quick)
+    python3 benchmarks/decode_throughput.py --methods streaming_llm --no-real-prefill --steps 8 \
+        --out "$out/decode_throughput.json" 2>&1 | tail -30 ;;
+  full)
+    python3 benchmarks/kernel_bandwidth.py --out "$out/kernel_bandwidth.json" 2>&1 | tail -20
+    python3 benchmarks/decode_throughput.py --out "$out/decode_throughput.json" 2>&1 | tail -40 | tee "$out/decode_throughput.txt"
+    python3 benchmarks/profile_decode.py --batch 1 26 2>&1 | tail -40 | tee "$out/profile_decode.txt" ;;
+esac

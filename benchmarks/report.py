@@ -96,7 +96,84 @@ def reliability_section(d: dict) -> str:
     ])
 
 
-RENDERERS = {"decode_throughput": decode_section, "kernel_bandwidth": kernel_section, "reliability": reliability_section}
+def line_chart_svg(series: dict[str, list[float]], title: str, xlabel: str, ylabel: str) -> str:
+    """A small dependency-free SVG line chart (one line per series, x = 0, 1, 2, ...)."""
+    w, h, left, right, top, bottom = 640, 360, 64, 150, 36, 48
+    n = max(len(v) for v in series.values())
+    ymax = max(max(v) for v in series.values()) * 1.1 or 1.0
+    px = lambda i: left + (w - left - right) * (i / max(1, n - 1))  # noqa: E731
+    py = lambda y: h - bottom - (h - top - bottom) * (y / ymax)  # noqa: E731
+    colors = ["#555", "#2a7", "#27c", "#c72", "#a3a", "#c33", "#7a2"]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
+           f'<rect width="{w}" height="{h}" fill="white"/>',
+           f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="13">{title}</text>',
+           f'<line x1="{left}" y1="{h - bottom}" x2="{w - right}" y2="{h - bottom}" stroke="black"/>',
+           f'<line x1="{left}" y1="{top}" x2="{left}" y2="{h - bottom}" stroke="black"/>',
+           f'<text x="{(left + w - right) / 2}" y="{h - 12}" text-anchor="middle">{xlabel}</text>',
+           f'<text x="16" y="{(top + h - bottom) / 2}" text-anchor="middle" transform="rotate(-90 16 {(top + h - bottom) / 2})">{ylabel}</text>']
+    for k in range(5):
+        y = ymax * k / 4
+        out.append(f'<text x="{left - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{y:.3g}</text>')
+        out.append(f'<line x1="{left}" y1="{py(y):.1f}" x2="{w - right}" y2="{py(y):.1f}" stroke="#ddd"/>')
+    for i in range(n):
+        out.append(f'<text x="{px(i):.1f}" y="{h - bottom + 16}" text-anchor="middle">{i}</text>')
+    for j, (name, ys) in enumerate(series.items()):
+        c = colors[j % len(colors)]
+        pts = " ".join(f"{px(i):.1f},{py(y):.1f}" for i, y in enumerate(ys))
+        out.append(f'<polyline points="{pts}" fill="none" stroke="{c}" stroke-width="2"/>')
+        out.append(f'<text x="{w - right + 10}" y="{top + 16 * j + 10}" fill="{c}">{name}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def agent_trace_section(d: dict, stem: str) -> str:
+    where = d.get("device", "?")
+    model = d["model"] + (f" (random {d['random_weights']} weights)" if d.get("random_weights") else "")
+    t = d["trace"]
+    rows = [dict(r, mean_ttft_ms=r["mean_ttft_s"] * 1e3, later_ttft_ms=(r["mean_ttft_later_turns_s"] or 0) * 1e3,
+                 p90_ttft_ms=r["p90_ttft_s"] * 1e3, tpot_ms=r["mean_tpot_s"] * 1e3) for r in d["rows"]]
+    cols = [("config", "config"), ("mean_ttft_ms", "TTFT ms"), ("later_ttft_ms", "TTFT ms (turns > 0)"),
+            ("p90_ttft_ms", "p90 TTFT ms"), ("tpot_ms", "TPOT ms"), ("mean_busy_s", "busy s"),
+            ("mean_jct_s", "JCT s"), ("makespan_s", "makespan s"), ("prefilled_tokens", "prefilled"),
+            ("reused_tokens", "reused"), ("pruned_tokens", "pruned"), ("final_kv_tokens", "final KV entries"),
+            ("speedup", "speedup (busy)"), ("makespan_speedup", "speedup (makespan)")]
+    parts = [f"## Agent traces over gRPC ({'GPU' if 'gpu' in stem else 'CPU'})",
+             f"`benchmarks/agent_trace.py` on {where}, {model}: {t['sessions']} sessions x {t['turns']} turns at "
+             f"concurrency {d['concurrency']}; a shared {t['system_words']}-word system prompt, tool outputs lognormal "
+             f"(median {t['tool_median']} words, sigma {t['tool_sigma']}), {t['output_tokens']} output tokens per turn "
+             f"(EOS ignored), think time {t['think_s']} s mean; sparse methods at {d.get('method_budget')} KV tokens "
+             f"per head; +prune drops the KV of tool output {d.get('prune_lag')} turn(s) old. "
+             "busy = the sum of a session's turn latencies (think time excluded), JCT = its wall time; "
+             "speedup = nochain's mean busy time / the configuration's.",
+             table(rows, cols)]
+    if d.get("skipped"):
+        parts.append("Skipped: " + "; ".join(f"{s['config']} ({s['reason']})" for s in d["skipped"]) + ".")
+    series = {r["config"]: [v * 1e3 for v in r["ttft_by_turn_s"]] for r in d["rows"]}
+    if series:
+        svg = RESULTS / f"{stem}.svg"
+        svg.write_text(line_chart_svg(series, f"Time to first token by turn ({where})", "turn", "TTFT ms"))
+        parts.append(f"![time to first token by turn](../benchmarks/results/{svg.name})")
+    return "\n\n".join(parts)
+
+
+def selection_overhead_section(d: dict) -> str:
+    cols = [("method", "method"), ("budget", "budget"), ("batch", "batch"), ("context", "context"),
+            ("step_ms", "step ms"), ("x_dense", "x dense"), ("device_pages_per_seq", "device pages/seq"),
+            ("host_pages_per_seq", "host pages/seq"), ("fetched_pages_per_step", "fetched pages/step/seq")]
+    return "\n\n".join([
+        "## Selection overhead (quest, omnikv, offload, duo_attention)",
+        f"`benchmarks/selection_overhead.py` on {d['device']} ({d['backend']} backend, {d['model']}, page "
+        f"{d['page_size']}): decode step time over synthetic KV next to dense in the same run, and where each "
+        "sequence's pages sit at the end (offload: device pages stay at the budget, the rest on the host).",
+        table(d["rows"], cols),
+    ])
+
+
+
+RENDERERS = {"decode_throughput": decode_section, "kernel_bandwidth": kernel_section,
+             "agent_trace_cpu": lambda d: agent_trace_section(d, "agent_trace_cpu"),
+             "agent_trace_gpu": lambda d: agent_trace_section(d, "agent_trace_gpu"),
+             "reliability": reliability_section, "selection_overhead": selection_overhead_section}
 
 
 def main() -> None:

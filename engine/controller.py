@@ -81,6 +81,8 @@ class SparseController:
         return method.prefill_probs_window(chunk) if _overrides(method, "prefill_probs_window") else 0
 
     def prefill_view(self, layer: int, chunk: ChunkInfo) -> Selection | None:
+        if self.manager.num_host_pages(chunk.seq_id, layer):  # a prefill reads every page: bring them back
+            self.manager.recall(chunk.seq_id, layer)
         method = self._method_of[chunk.seq_id]
         return method.prefill_view(layer, chunk) if _overrides(method, "prefill_view") else None
 
@@ -114,12 +116,16 @@ class SparseController:
     def decode_needs_probs(self, groups) -> bool:
         return any(m.needs_decode_probs for m, _ in groups)
 
+    def decode_needs_probs_at(self, groups, layer: int) -> bool:
+        return any(m.needs_decode_probs and m.needs_decode_probs_at(layer) for m, _ in groups)
+
     def decode_view(self, layer: int, groups, batch: DecodeBatch) -> Selection | None:
         """Merge the selections of every method in the batch into batch-wide tensors."""
         parts = [(rows, m.decode_view(layer, _rows(batch, rows))) for m, rows in groups if _overrides(m, "decode_view")]
         parts = [(rows, sel) for rows, sel in parts if sel is not None]
         if not parts:
             return None
+        self._move_tiers(layer, parts, batch)
         B, H = batch.lengths.shape
         dev = batch.q.device
         merged = Selection()
@@ -145,6 +151,19 @@ class SparseController:
                         mask[torch.tensor(rows, device=dev), :, tm.shape[-1]:] = False
             merged.token_mask = mask
         return merged
+
+    def _move_tiers(self, layer: int, parts, batch: DecodeBatch) -> None:
+        """Carry out the offload decisions: pages in ``to_host`` leave the device, then selected
+        pages that sit on the host are fetched back, so GPU pages in use stay bounded."""
+        for rows, sel in parts:
+            if sel.to_host is None and not self.manager.has_host_tier:
+                continue
+            for j, r in enumerate(rows):
+                seq_id = batch.seq_ids[r]
+                if sel.to_host is not None:
+                    self.manager.offload_pages(seq_id, layer, sel.to_host[j].cpu())
+                if sel.selected_pages is not None and self.manager.num_host_pages(seq_id, layer):
+                    self.manager.fetch_pages(seq_id, layer, sel.selected_pages[j].cpu())
 
     def after_decode(self, layer: int, groups, batch: DecodeBatch) -> None:
         items = []
@@ -199,4 +218,5 @@ def _rows(batch: DecodeBatch, rows: list[int]) -> DecodeBatch:
         lengths=batch.lengths[idx],
         cache=batch.cache,
         probs=None if batch.probs is None else batch.probs[dev_idx],
+        k=None if batch.k is None else batch.k[dev_idx],
     )

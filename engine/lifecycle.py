@@ -21,6 +21,12 @@ Hooks, in the order the engine calls them (see DESIGN.md):
 ``release(seq)``                           the sequence ends: drop state
 =========================================  =====================================================
 
+Attention scores: a method that reads attention probabilities says so, and the attention backend
+computes them only then — ``prefill_probs_window(chunk) > 0`` asks for the probabilities of the
+chunk's last queries (an observation window), ``needs_decode_probs`` for those of decode steps.
+(DESIGN.md calls this ``needs_scores``; these two are its spelling here.) Methods that score from
+K/V alone (KeyDiff, Expected Attention) read the cache through :class:`KVReader` instead.
+
 Physical indices: within one (sequence, layer, kv-head), tokens sit in arrival order and eviction
 keeps that order, so index ``i`` is the i-th oldest token the head still holds. Their original
 positions are available from :class:`KVReader` for methods that need them.
@@ -53,6 +59,10 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     page_size: int
+    rope_cos: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    """``[max_len, head_dim]`` float32 RoPE tables of the model (rotate-half convention), for
+    methods that reason about positions (Expected Attention); None for models without them."""
+    rope_sin: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def group_size(self) -> int:
@@ -144,7 +154,9 @@ class DecodeBatch:
     """``[B, H]`` (host): physical tokens per kv-head, the new token included."""
     cache: KVReader
     probs: torch.Tensor | None = None
-    """``[B, Hq, T]`` attention probabilities of this step (when ``needs_decode_probs``)."""
+    """``[B, Hq, T]`` attention probabilities of this step (when ``needs_decode_probs_at(layer)``)."""
+    k: torch.Tensor | None = None
+    """``[B, H, D]`` the step's new keys (after RoPE), already in the cache at index ``lengths - 1``."""
 
 
 @dataclass
@@ -155,6 +167,10 @@ class Selection:
     """``[B, H, K]`` indices into each head's page list (-1 = unused)."""
     token_mask: torch.Tensor | None = None
     """``[B, H, T]`` bool over physical tokens."""
+    to_host: torch.Tensor | None = None
+    """``[B, H, M]`` indices into each head's page list to move to the host tier before attention
+    (-1 = none). Offload methods set it; pages in ``selected_pages`` that sit on the host are
+    fetched back to the device before attention reads them."""
 
 
 @dataclass
@@ -181,6 +197,10 @@ class SparseMethod:
         self.params = build_params(type(self), spec.method_args)
         if self.needs_budget and spec.budget is None and spec.budget_ratio is None:
             raise MethodError(f"method {self.name!r} needs budget (tokens per head) or budget_ratio")
+
+    def needs_decode_probs_at(self, layer: int) -> bool:
+        """Decode probabilities for one layer only (a method that scores a few layers overrides it)."""
+        return self.needs_decode_probs
 
     # --- budget -------------------------------------------------------------------------------
     def budget_for(self, num_tokens: int) -> int | None:

@@ -92,7 +92,8 @@ class LLMEngine:
         self.model.eval()
 
         self.shape = ModelShape(num_layers=mc.num_layers, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
-                                head_dim=mc.head_dim, page_size=config.page_size)
+                                head_dim=mc.head_dim, page_size=config.page_size,
+                                rope_cos=self.model.rope_cos, rope_sin=self.model.rope_sin)
         self.pool = PagePool(self._num_pages(), config.page_size, mc.head_dim, self.dtype, self.device)
         slots = config.max_cached_seqs or 4 * config.max_num_seqs
         self.manager = CacheManager(self.pool, mc.num_layers, mc.num_kv_heads, slots, self.max_model_len)

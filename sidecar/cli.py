@@ -3,6 +3,7 @@
     chainkv serve [ENGINE FLAGS] [--port 50051] [--store redis://...|file://...|none] [--auth-token T=TENANT]
     chainkv demo [--target 127.0.0.1:50051]
     chainkv generate [--model M] [--method NAME] [--budget N] [--max-tokens N] [--chat] [--json] PROMPT
+    chainkv calibrate duo_attention [--model M] [--samples N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -77,6 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tenant-limit", action="append", default=[], metavar="TENANT:KEY=N[,KEY=N]",
                    help="one tenant's own max_sessions_per_tenant / max_tokens_per_turn (repeatable)")
     add_engine_args(srv)
+
+    cal = sub.add_parser("calibrate", help="calibrate a method's head pattern (duo_attention) on generated passkey data")
+    cal.add_argument("calibrated_method", choices=["duo_attention"], help="the method to calibrate")
+    cal.add_argument("--samples", type=int, default=8, help="passkey samples")
+    cal.add_argument("--min-tokens", type=int, default=1024, help="shortest sample")
+    cal.add_argument("--max-tokens", type=int, default=2048, help="longest sample")
+    cal.add_argument("--n-sink", type=int, default=128, help="sink tokens of a streaming head")
+    cal.add_argument("--n-recent", type=int, default=256, help="recent tokens of a streaming head")
+    cal.add_argument("--calibration-seed", type=int, default=0, help="seed of the generated samples")
+    cal.add_argument("--out", default=None, metavar="FILE",
+                     help="where to write the pattern JSON (default: duo_pattern_<model>.json); use it with "
+                          "--method-arg pattern=FILE")
+    add_engine_args(cal)
 
     demo = sub.add_parser("demo", help="run a multi-turn, tool-using session against a running sidecar")
     demo.add_argument("--target", default="127.0.0.1:50051", help="the sidecar's address")
@@ -191,11 +205,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "text": final.text,
             "finish_reason": final.finish_reason,
             "usage": {"prompt_tokens": len(tokens), "generated_tokens": len(final.token_ids),
-                      "time_to_first_token_s": final.time_to_first_token},
+                      "time_to_first_token_s": final.time_to_first_token,
+                      "evicted_tokens": engine.stats()["evicted_tokens"]},
             "method": config.method,
         }))
     else:
         print()
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from engine.duo_calibration import calibrate, write_pattern
+    from engine.llm import LLMEngine
+
+    if args.samples < 1 or not 0 < args.min_tokens <= args.max_tokens:
+        print("chainkv: --samples must be >= 1 and 0 < --min-tokens <= --max-tokens", file=sys.stderr)
+        return 2
+    engine = LLMEngine(engine_config_from_args(args), num_pages=1)
+    pattern = calibrate(engine, samples=args.samples, min_tokens=args.min_tokens, max_tokens=args.max_tokens,
+                        n_sink=args.n_sink, n_recent=args.n_recent, seed=args.calibration_seed)
+    path = write_pattern(pattern, args.out or f"duo_pattern_{pattern['model']}.json")
+    cal = pattern["calibration"]
+    print(f"wrote {path}: {pattern['num_layers']} layers x {pattern['num_kv_heads']} kv-heads, "
+          f"{cal['answered']}/{cal['samples']} passkeys answered")
     return 0
 
 
@@ -212,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_serve(args)
         if args.command == "demo":
             return cmd_demo(args)
+        if args.command == "calibrate":
+            return cmd_calibrate(args)
     except (ConfigError, MethodError, ModelLoadError) as e:
         print(f"chainkv: {e}", file=sys.stderr)
         return 2

@@ -37,6 +37,7 @@ from grpc_reflection.v1alpha import reflection
 from engine.chain import (ContextFull, SessionBusy, SessionError, SessionExists, SessionNotFound)
 from engine.config import ConfigError
 from engine.lifecycle import MethodError
+from engine.methods import REGISTRY as METHODS
 from engine.llm import CapacityError, LLMEngine, RequestError
 from engine.model.loader import load_tokenizer
 from engine.sampling import SamplingError
@@ -186,6 +187,7 @@ class SidecarService:
             "GetSession": unary(self.GetSession, pb.GetSessionRequest, pb.Session),
             "ForkSession": unary(self.ForkSession, pb.ForkSessionRequest, pb.Session),
             "PruneHistory": unary(self.PruneHistory, pb.PruneHistoryRequest, pb.PruneHistoryResponse),
+            "GetServerInfo": unary(self.GetServerInfo, pb.GetServerInfoRequest, pb.ServerInfo),
         })
 
     def _begin(self, request, context) -> str:
@@ -534,6 +536,16 @@ class SidecarService:
             self.hooks.on_prune(tokens, removed)
         return pb.PruneHistoryResponse(removed=removed, pruned_tokens=tokens,
                                        session=session_proto(request.session_id, info, s, has_store=self.srv.store is not None))
+
+    async def GetServerInfo(self, request, context):
+        return await self._unary("GetServerInfo", self._server_info, request, context)
+
+    async def _server_info(self, request, context):
+        self._begin(request, context)
+        eng, mc = self.engine, self.engine.model_config
+        return pb.ServerInfo(model=eng.model_dir.name, architecture=mc.architecture, max_model_len=eng.max_model_len,
+                             default_max_tokens=self.opts.limits.default_max_tokens, method=eng.config.method,
+                             methods=sorted(METHODS), vocab_size=mc.vocab_size)
 
 
 def _tier(s: Session, info: dict) -> str | None:

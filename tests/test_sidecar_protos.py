@@ -25,6 +25,7 @@ def test_stubs_import_as_a_package_and_describe_the_service():
 
     service = sidecar_pb2.DESCRIPTOR.services_by_name["Sidecar"]
     assert service.full_name == "chainkv.v1.Sidecar"
-    assert [m.name for m in service.methods] == ["Turn", "Resume", "EndSession", "GetSession", "ForkSession", "PruneHistory"]
+    assert [m.name for m in service.methods] == ["Turn", "Resume", "EndSession", "GetSession", "ForkSession", "PruneHistory",
+                                                  "GetServerInfo"]
     assert service.methods_by_name["Turn"].server_streaming
     assert hasattr(sidecar_pb2_grpc, "SidecarStub")

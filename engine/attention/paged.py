@@ -64,7 +64,7 @@ class PagedAttention:
         out = torch.empty_like(q)
         B = len(self.decode_ids)
         if B:
-            out[:B] = self._decode(layer, q[:B])
+            out[:B] = self._decode(layer, q[:B], k[:B])
         for seg in self.segments:
             s, e = seg.offset, seg.offset + seg.length
             out[s:e] = self._prefill(layer, seg, q[s:e], k[s:e], v[s:e])
@@ -83,12 +83,12 @@ class PagedAttention:
             view.selected_pages, view.token_mask = sel.selected_pages, sel.token_mask
         return view
 
-    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         batch = DecodeBatch(layer=layer, seq_ids=self.decode_ids, num_tokens=self.decode_num_tokens, q=q,
-                            lengths=self.manager.lengths[self._decode_slots, layer], cache=self.manager)
+                            lengths=self.manager.lengths[self._decode_slots, layer], cache=self.manager, k=k)
         sel = self.controller.decode_view(layer, self._groups, batch)
         view = self._view(self._decode_slots, self._decode_slots_dev, layer, sel)
-        out, probs = self.backend.decode(self.manager.pool, view, q, self.scale, want_probs=self._decode_probs)
+        out, probs = self.backend.decode(self.manager.pool, view, q, self.scale, want_probs=self._decode_probs and self.controller.decode_needs_probs_at(self._groups, layer))
         batch.probs = probs
         self.controller.after_decode(layer, self._groups, batch)
         return out

@@ -96,6 +96,7 @@ class CacheManager:
     def release(self, seq_id: Hashable) -> int:
         """Drop a sequence's cache; returns how many pages went back to the free list."""
         slot = self._slot_of.pop(seq_id)
+        self._drop_host(slot)
         pages = self.tables[slot]
         freed = self.pool.decref(pages[pages >= 0])
         self.tables[slot] = -1
@@ -226,6 +227,8 @@ class CacheManager:
         row_slot, idx_parts, counts = [], [], []
         for seq_id, keep in items:
             s = self.slot(seq_id)
+            if self.num_host_pages(seq_id, layer):  # compaction rewrites pages: bring cold ones back first
+                self.recall(seq_id, layer)
             if isinstance(keep, torch.Tensor) and keep.dim() == 2:
                 if keep.shape[0] != H:
                     raise ValueError(f"keep must give one index list per kv-head ({H}), got shape {tuple(keep.shape)}")
@@ -311,6 +314,9 @@ class CacheManager:
         """``child`` shares ``parent``'s pages copy-on-write: all of them, or only each head's first
         ``num_pages`` full pages (a shared prefix; the parent's heads must hold at least that many)."""
         ps = self.slot(parent)
+        for layer in range(self.num_layers):  # pages on the host are not shared: bring them back first
+            if self.num_host_pages(parent, layer):
+                self.recall(parent, layer)
         if num_pages is not None:
             have = self.lengths[ps]
             if int(have.min()) < num_pages * self.page_size:
@@ -329,11 +335,13 @@ class CacheManager:
             self.lengths_dev[cs] = self.lengths[cs].to(self.device)
 
     # --- reading ---------------------------------------------------------------------------------
-    def _flat_slots(self, slot: int, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat pool indices of every physical token of a slot (one layer or all), in (l, h, t) order."""
+    def _flat_slots(self, slot: int, layer: int | None = None, tables: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat pool indices of every physical token of a slot (one layer or all), in (l, h, t) order
+        (negative for a page not on the device; ``tables`` = ``host_tables`` indexes the host tier)."""
         P = self.page_size
+        tables = self.tables if tables is None else tables
         lengths = self.lengths[slot] if layer is None else self.lengths[slot, layer][None]
-        tables = self.tables[slot] if layer is None else self.tables[slot, layer][None]
+        tables = tables[slot] if layer is None else tables[slot, layer][None]
         L, H = lengths.shape
         cnt = lengths.reshape(-1).long()
         row = torch.repeat_interleave(torch.arange(L * H), cnt)
@@ -352,9 +360,16 @@ class CacheManager:
         pages = self.tables_dev[s, layer, :, :npages].long().clamp(min=0)
         D = self.pool.head_dim
         H = self.num_kv_heads
-        k = self.pool.k[pages].reshape(H, npages * P, D)[:, :T]
-        v = self.pool.v[pages].reshape(H, npages * P, D)[:, :T]
-        pos = self.pool.pos[pages].reshape(H, npages * P)[:, :T].clone()
+        kp, vp, pp = self.pool.k[pages], self.pool.v[pages], self.pool.pos[pages]  # [H, npages, P(, D)]
+        if self.num_host_pages(seq_id, layer):  # offloaded pages: read them from the host tier
+            cold = (self.tables[s, layer, :, :npages] < 0) & (self.host_tables[s, layer, :, :npages] >= 0)
+            h, p = cold.nonzero(as_tuple=True)
+            hk, hv, hpos = self.pool.host.read(self.host_tables[s, layer, h, p].long(), self.device)
+            hd, pd = h.to(self.device), p.to(self.device)
+            kp[hd, pd], vp[hd, pd], pp[hd, pd] = hk.to(kp.dtype), hv.to(vp.dtype), hpos
+        k = kp.reshape(H, npages * P, D)[:, :T]
+        v = vp.reshape(H, npages * P, D)[:, :T]
+        pos = pp.reshape(H, npages * P)[:, :T].clone()
         pos[torch.arange(T, device=pos.device)[None, :] >= lengths[:, None]] = -1
         return k, v, pos, lengths
 
@@ -366,6 +381,8 @@ class CacheManager:
     def snapshot(self, seq_id: Hashable) -> KVSnapshot:
         s = self.slot(seq_id)
         flat, lengths = self._flat_slots(s)
+        if self._has_cold(s):  # offloaded pages are read from the host tier
+            return self._snapshot_tiers(s, flat, lengths)
         flat_d = flat.to(self.device)
         D = self.pool.head_dim
         return KVSnapshot(
@@ -401,3 +418,120 @@ class CacheManager:
         self.pool.k.view(-1, D)[flat_d] = snap.k.to(self.device, self.pool.dtype)
         self.pool.v.view(-1, D)[flat_d] = snap.v.to(self.device, self.pool.dtype)
         self.pool.pos.view(-1)[flat_d] = snap.pos.to(self.device, torch.int32)
+
+    # --- host tier (offload methods) ----------------------------------------------------------------
+    # A page of a (sequence, layer, kv-head) is *resident* (``tables`` holds its device page), *cold*
+    # (only ``host_tables`` holds it: the device page went back to the pool) or *hot* (both: fetched
+    # back for reading; dropping it again costs no copy). Only full pages are offloaded, never the
+    # page being written, so a host copy never goes stale. Pages shared with a fork or a shared
+    # prefix stay on the device.
+    @property
+    def has_host_tier(self) -> bool:
+        return self.pool.has_host
+
+    def _host_tables(self) -> torch.Tensor:
+        if getattr(self, "host_tables", None) is None:
+            with torch.inference_mode(False):  # created mid-step, updated outside it too (release)
+                self.host_tables = torch.full_like(self.tables, -1)
+                self._cold = torch.zeros(self.max_seqs, self.num_layers, dtype=torch.int64)
+        return self.host_tables
+
+    def num_host_pages(self, seq_id: Hashable, layer: int) -> int:
+        """Pages of one layer of a sequence that are on the host only (cold)."""
+        if getattr(self, "host_tables", None) is None:
+            return 0
+        return int(self._cold[self.slot(seq_id), layer])
+
+    def _has_cold(self, slot: int) -> bool:
+        return getattr(self, "host_tables", None) is not None and bool(self._cold[slot].any())
+
+    @staticmethod
+    def _entries(page_lists: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pl = torch.as_tensor(page_lists).long().reshape(page_lists.shape[0], -1)
+        h, j = (pl >= 0).nonzero(as_tuple=True)
+        return h, pl[h, j]
+
+    def offload_pages(self, seq_id: Hashable, layer: int, page_lists: torch.Tensor) -> int:
+        """Move pages (``[H, M]`` indices into each head's page list, -1 = none) to the host tier and
+        return their device pages to the pool. Pages not on the device, the page being written and
+        shared pages are skipped. Returns the device pages freed."""
+        s = self.slot(seq_id)
+        h, p = self._entries(page_lists)
+        last = (self.lengths[s, layer, h].long() - 1) // self.page_size
+        inside = p < last
+        h, p = h[inside], p[inside]
+        gpu = self.tables[s, layer, h, p].long()
+        ok = gpu >= 0
+        ok &= self.pool.refcount[gpu.clamp(min=0)] == 1
+        h, p, gpu = h[ok], p[ok], gpu[ok]
+        n = gpu.numel()
+        if not n:
+            return 0
+        ht = self._host_tables()
+        host = ht[s, layer, h, p].long()
+        new = host < 0
+        if bool(new.any()):
+            ids = self.pool.host.alloc(int(new.sum()))
+            g = gpu[new].to(self.device)
+            self.pool.host.write(ids, self.pool.k[g], self.pool.v[g], self.pool.pos[g])
+            ht[s, layer, h[new], p[new]] = ids.to(torch.int32)
+        self._set_pages(torch.full_like(h, s), torch.full_like(h, layer), h, p, torch.full_like(h, -1))
+        self.pool.decref(gpu)
+        self._cold[s, layer] += n
+        return n
+
+    def fetch_pages(self, seq_id: Hashable, layer: int, page_lists: torch.Tensor) -> int:
+        """Copy cold pages among ``page_lists`` (``[H, K]``, -1 = none) back to new device pages
+        (their host copies stay). Returns the pages fetched; raises OutOfPages if the pool is short."""
+        s = self.slot(seq_id)
+        if getattr(self, "host_tables", None) is None:
+            return 0
+        h, p = self._entries(page_lists)
+        inside = p < ceil_div(self.lengths[s, layer, h].long(), self.page_size)
+        h, p = h[inside], p[inside]
+        cold = (self.tables[s, layer, h, p] < 0) & (self.host_tables[s, layer, h, p] >= 0)
+        h, p = h[cold], p[cold]
+        n = h.numel()
+        if not n:
+            return 0
+        if n > self.pool.num_free:
+            raise OutOfPages(f"fetching {n} offloaded pages, {self.pool.num_free} free")
+        ids = self.pool.alloc(n)
+        k, v, pos = self.pool.host.read(self.host_tables[s, layer, h, p].long(), self.device)
+        d = ids.to(self.device)
+        self.pool.k[d], self.pool.v[d], self.pool.pos[d] = k.to(self.pool.dtype), v.to(self.pool.dtype), pos
+        self._set_pages(torch.full_like(h, s), torch.full_like(h, layer), h, p, ids)
+        self._cold[s, layer] -= n
+        return n
+
+    def recall(self, seq_id: Hashable, layer: int) -> None:
+        """Bring every cold page of one layer back to the device and drop the layer's host copies."""
+        s = self.slot(seq_id)
+        NP = self.max_pages
+        self.fetch_pages(seq_id, layer, torch.arange(NP).expand(self.num_kv_heads, NP))
+        ht = self.host_tables[s, layer]
+        self.pool.host.free(ht[ht >= 0].long())
+        ht.fill_(-1)
+
+    def _drop_host(self, slot: int) -> None:
+        if getattr(self, "host_tables", None) is None:
+            return
+        ht = self.host_tables[slot]
+        if bool((ht >= 0).any()):
+            self.pool.host.free(ht[ht >= 0].long())
+            ht.fill_(-1)
+        self._cold[slot] = 0
+
+    def _snapshot_tiers(self, slot: int, flat: torch.Tensor, lengths: torch.Tensor) -> KVSnapshot:
+        hflat, _ = self._flat_slots(slot, tables=self.host_tables)
+        on = flat >= 0
+        D = self.pool.head_dim
+        host = self.pool.host
+        k = torch.empty(flat.numel(), D, dtype=self.pool.dtype)
+        v = torch.empty_like(k)
+        pos = torch.empty(flat.numel(), dtype=torch.int32)
+        dev = flat[on].to(self.device)
+        k[on], v[on], pos[on] = self.pool.k.view(-1, D)[dev].cpu(), self.pool.v.view(-1, D)[dev].cpu(), self.pool.pos.view(-1)[dev].cpu()
+        off = hflat[~on]
+        k[~on], v[~on], pos[~on] = host.k.view(-1, D)[off], host.v.view(-1, D)[off], host.pos.view(-1)[off]
+        return KVSnapshot(lengths=lengths.clone(), k=k, v=v, pos=pos)

@@ -101,3 +101,17 @@ class PagePool:
         self.k[dst] = self.k[src]
         self.v[dst] = self.v[src]
         self.pos[dst] = self.pos[src]
+
+    # --- host tier (offload methods) ---------------------------------------------------------------
+    @property
+    def has_host(self) -> bool:
+        return getattr(self, "_host", None) is not None
+
+    @property
+    def host(self):
+        """The HostTier beside this pool (created on first use): cold pages of offload methods."""
+        if getattr(self, "_host", None) is None:
+            from engine.cache.host_tier import HostTier
+
+            self._host = HostTier(self.page_size, self.head_dim, self.dtype)
+        return self._host

@@ -338,3 +338,25 @@ class PruneHistoryResponse(_message.Message):
     pruned_tokens: int
     session: Session
     def __init__(self, removed: _Optional[int] = ..., pruned_tokens: _Optional[int] = ..., session: _Optional[_Union[Session, _Mapping]] = ...) -> None: ...
+
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("model", "architecture", "max_model_len", "default_max_tokens", "method", "methods", "vocab_size")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    METHODS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    architecture: str
+    max_model_len: int
+    default_max_tokens: int
+    method: str
+    methods: _containers.RepeatedScalarFieldContainer[str]
+    vocab_size: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., method: _Optional[str] = ..., methods: _Optional[_Iterable[str]] = ..., vocab_size: _Optional[int] = ...) -> None: ...

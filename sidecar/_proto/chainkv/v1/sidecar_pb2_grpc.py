@@ -65,6 +65,11 @@ class SidecarStub:
                 request_serializer=chainkv_dot_v1_dot_sidecar__pb2.PruneHistoryRequest.SerializeToString,
                 response_deserializer=chainkv_dot_v1_dot_sidecar__pb2.PruneHistoryResponse.FromString,
                 _registered_method=True)
+        self.GetServerInfo = channel.unary_unary(
+                '/chainkv.v1.Sidecar/GetServerInfo',
+                request_serializer=chainkv_dot_v1_dot_sidecar__pb2.GetServerInfoRequest.SerializeToString,
+                response_deserializer=chainkv_dot_v1_dot_sidecar__pb2.ServerInfo.FromString,
+                _registered_method=True)
 
 
 class SidecarServicer:
@@ -117,6 +122,14 @@ class SidecarServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetServerInfo(self, request, context):
+        """What this replica serves: the model, its context length, the default method (adapters fill
+        their frameworks' model metadata from it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -149,6 +162,11 @@ def add_SidecarServicer_to_server(servicer, server):
                     servicer.PruneHistory,
                     request_deserializer=chainkv_dot_v1_dot_sidecar__pb2.PruneHistoryRequest.FromString,
                     response_serializer=chainkv_dot_v1_dot_sidecar__pb2.PruneHistoryResponse.SerializeToString,
+            ),
+            'GetServerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServerInfo,
+                    request_deserializer=chainkv_dot_v1_dot_sidecar__pb2.GetServerInfoRequest.FromString,
+                    response_serializer=chainkv_dot_v1_dot_sidecar__pb2.ServerInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -314,6 +332,33 @@ class Sidecar:
             '/chainkv.v1.Sidecar/PruneHistory',
             chainkv_dot_v1_dot_sidecar__pb2.PruneHistoryRequest.SerializeToString,
             chainkv_dot_v1_dot_sidecar__pb2.PruneHistoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chainkv.v1.Sidecar/GetServerInfo',
+            chainkv_dot_v1_dot_sidecar__pb2.GetServerInfoRequest.SerializeToString,
+            chainkv_dot_v1_dot_sidecar__pb2.ServerInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,129 @@
+"""What both framework adapters do per call: pick the session, send only its unseen messages, stream.
+
+``Conversations.stream(key, messages, tools, options)`` plans the turn with the ``SessionLedger``
+(a key the process has no record of is checked against the sidecar first), sends the new messages
+(tools and method settings only on a session's first turn: the sidecar fixes them there), yields
+the client's events and records the reply. ``key=None`` is a stateless call: a throwaway session
+that is ended afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+import weakref
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+import grpc
+
+from agent_adapters.client import (METHOD_FIELDS, AsyncChainKVClient, ChainKVClient, ChainKVError, RetryPolicy)
+from agent_adapters.ledger import Plan, SessionLedger
+from agent_adapters.messages import ChatMessage, ToolSpec, TurnEvent, TurnResult
+
+
+class Conversations:
+    def __init__(self, target: str, *, token: str | None = None, tls_ca: str | None = None,
+                 timeout_s: float | None = 300.0, retry: RetryPolicy | None = None):
+        self.target, self.token, self.tls_ca, self.timeout_s, self.retry = target, token, tls_ca, timeout_s, retry
+        self.ledger = SessionLedger()
+        self._client: ChainKVClient | None = None
+        self._aclients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncChainKVClient]" = \
+            weakref.WeakKeyDictionary()
+
+    # --- clients --------------------------------------------------------------------------------
+    @property
+    def client(self) -> ChainKVClient:
+        if self._client is None:
+            self._client = ChainKVClient(self.target, token=self.token, tls_ca=self.tls_ca, timeout_s=self.timeout_s,
+                                         retry=self.retry)
+        return self._client
+
+    def aclient(self) -> AsyncChainKVClient:
+        """The asyncio client of the running loop (a grpc.aio channel belongs to one loop)."""
+        loop = asyncio.get_running_loop()
+        c = self._aclients.get(loop)
+        if c is None:
+            c = self._aclients[loop] = AsyncChainKVClient(self.target, token=self.token, tls_ca=self.tls_ca,
+                                                          timeout_s=self.timeout_s, retry=self.retry)
+        return c
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    # --- planning -------------------------------------------------------------------------------
+    def _plan(self, key: str | None, messages: Sequence[ChatMessage]) -> Plan:
+        if key is None:
+            return Plan("", f"eph-{uuid.uuid4().hex}", list(messages), True, True)
+        return self.ledger.plan(key, messages)
+
+    @staticmethod
+    def _options(plan: Plan, tools: Sequence[ToolSpec], options: dict[str, Any]) -> dict[str, Any]:
+        opts = {k: v for k, v in options.items() if v is not None}
+        if not plan.first:
+            opts = {k: v for k, v in opts.items() if k not in METHOD_FIELDS}
+        opts["tools"] = list(tools) if plan.first else []
+        return opts
+
+    # --- sync -------------------------------------------------------------------------------------
+    def stream(self, key: str | None, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = (),
+               **options: Any) -> Iterator[TurnEvent]:
+        plan = self._plan(key, messages)
+        if not plan.known and self._exists(plan.session_id):
+            plan = self.ledger.rotate(plan)
+        try:
+            for event in self.client.stream_turn(plan.session_id, plan.messages, **self._options(plan, tools, options)):
+                if isinstance(event, TurnResult) and key is not None:
+                    self.ledger.record(plan, event)
+                yield event
+        finally:
+            if key is None:
+                self._end_quietly(plan.session_id)
+
+    def _exists(self, session_id: str) -> bool:
+        try:
+            self.client.get_session(session_id)
+            return True
+        except ChainKVError as e:
+            if e.code is grpc.StatusCode.NOT_FOUND:
+                return False
+            raise
+
+    def _end_quietly(self, session_id: str) -> None:
+        try:
+            self.client.end_session(session_id)
+        except ChainKVError:
+            pass
+
+    # --- asyncio ------------------------------------------------------------------------------------
+    async def astream(self, key: str | None, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = (),
+                      **options: Any) -> AsyncIterator[TurnEvent]:
+        client = self.aclient()
+        plan = self._plan(key, messages)
+        if not plan.known and await self._aexists(client, plan.session_id):
+            plan = self.ledger.rotate(plan)
+        try:
+            async for event in client.stream_turn(plan.session_id, plan.messages, **self._options(plan, tools, options)):
+                if isinstance(event, TurnResult) and key is not None:
+                    self.ledger.record(plan, event)
+                yield event
+        finally:
+            if key is None:
+                try:
+                    await client.end_session(plan.session_id)
+                except ChainKVError:
+                    pass
+
+    @staticmethod
+    async def _aexists(client: AsyncChainKVClient, session_id: str) -> bool:
+        try:
+            await client.get_session(session_id)
+            return True
+        except ChainKVError as e:
+            if e.code is grpc.StatusCode.NOT_FOUND:
+                return False
+            raise
+
+
+__all__ = ["Conversations"]

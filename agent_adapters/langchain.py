@@ -1,0 +1,254 @@
+"""LangChain chat model backed by the chainkv sidecar: ``ChatChainKV``.
+
+    from agent_adapters.langchain import ChatChainKV
+
+    llm = ChatChainKV(target="127.0.0.1:50051", max_tokens=128).bind_tools([get_weather])
+    llm.invoke(messages, config={"configurable": {"thread_id": "run-42"}})
+
+Sessions. The conversation key is, first found: ``session_id`` passed to invoke/stream, the
+model's ``session_id`` field, the RunnableConfig's ``configurable.thread_id`` (LangGraph's
+thread), then ``thread_id`` in the run metadata. Calls of one key continue one sidecar session and
+send only the messages it has not seen (``agent_adapters.ledger``); a call without any key is
+stateless (a throwaway session). Tools bound with ``bind_tools`` are sent on the session's first
+turn (the sidecar fixes a session's tools there); the replies' tool calls come back as
+``AIMessage.tool_calls`` (and as ``tool_call_chunks`` while streaming).
+
+Usage: ``usage_metadata`` counts the context the turn ran on (``input_tokens``, with the cached
+part as ``input_token_details.cache_read``) and the tokens generated; ``response_metadata``
+carries the sidecar's own counters (prefilled, reused, pruned, time to first token, tier).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import LanguageModelInput
+from langchain_core.language_models.chat_models import BaseChatModel
+from langchain_core.messages import (AIMessage, AIMessageChunk, BaseMessage, ChatMessage as LCChatMessage,
+                                     HumanMessage, SystemMessage, ToolMessage)
+from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableConfig
+from langchain_core.runnables.config import ensure_config
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from pydantic import ConfigDict, Field, PrivateAttr
+
+from agent_adapters.client import RetryPolicy
+from agent_adapters.conversation import Conversations
+from agent_adapters.messages import ChatMessage, TextDelta, ToolCall, ToolSpec, TurnResult, as_tool
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for block in content or []:
+        if isinstance(block, str):
+            parts.append(block)
+        elif isinstance(block, dict) and block.get("type") == "text":
+            parts.append(block.get("text", ""))
+    return "".join(parts)
+
+
+def to_chat_message(m: BaseMessage) -> ChatMessage:
+    if isinstance(m, LCChatMessage):
+        role = {"human": "user", "ai": "assistant"}.get(m.role, m.role)
+    elif isinstance(m, HumanMessage):
+        role = "user"
+    elif isinstance(m, AIMessage):  # AIMessageChunk too
+        role = "assistant"
+    elif isinstance(m, SystemMessage):
+        role = "system"
+    elif isinstance(m, ToolMessage):
+        role = "tool"
+    else:
+        raise ValueError(f"chainkv cannot send a {type(m).__name__}; use system, human, ai or tool messages")
+    if isinstance(m, ToolMessage):
+        return ChatMessage("tool", _text(m.content), name=m.name or "", tool_call_id=m.tool_call_id or "")
+    calls = tuple(ToolCall(c.get("id") or "", c["name"], dict(c.get("args") or {}))
+                  for c in getattr(m, "tool_calls", None) or [])
+    return ChatMessage(role, _text(m.content), tool_calls=calls)
+
+
+def _usage_metadata(r: TurnResult) -> dict[str, Any]:
+    u = r.usage
+    context = max(0, u.history_tokens - u.generated_tokens)
+    return {"input_tokens": context, "output_tokens": u.generated_tokens, "total_tokens": context + u.generated_tokens,
+            "input_token_details": {"cache_read": u.reused_tokens}}
+
+
+def _response_metadata(r: TurnResult, model: str) -> dict[str, Any]:
+    return {"finish_reason": r.finish_reason, "model_name": model, "session_id": r.session_id,
+            "request_id": r.request_id, "turn_index": r.turn_index, "replayed": r.replayed,
+            "chainkv_usage": r.usage.as_dict()}
+
+
+def _lc_tool_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    return [{"name": c.name, "args": dict(c.arguments), "id": c.id, "type": "tool_call"} for c in calls]
+
+
+class ChatChainKV(BaseChatModel):
+    """A LangChain chat model served by a chainkv sidecar over gRPC."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    target: str = "127.0.0.1:50051"
+    """The sidecar's address."""
+    session_id: str | None = None
+    """A fixed conversation key; unset: taken per call (see the module docstring)."""
+    token: str | None = None
+    """Bearer token, when the sidecar has auth on."""
+    tls_ca: str | None = None
+    timeout_s: float | None = 300.0
+    """Deadline of one call, retries included."""
+    max_retries: int = 3
+    model_name: str = "chainkv"
+    # sampling (the sidecar's SamplingParams names)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    # the session's sparse method (first turn only)
+    method: str | None = None
+    budget: int | None = None
+    budget_ratio: float | None = None
+    method_args: dict[str, str] = Field(default_factory=dict)
+
+    _conv: Conversations | None = PrivateAttr(default=None)
+
+    @property
+    def conversations(self) -> Conversations:
+        if self._conv is None:
+            self._conv = Conversations(self.target, token=self.token, tls_ca=self.tls_ca, timeout_s=self.timeout_s,
+                                       retry=RetryPolicy(max_attempts=self.max_retries + 1))
+        return self._conv
+
+    @property
+    def _llm_type(self) -> str:
+        return "chainkv"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"target": self.target, "model_name": self.model_name, "method": self.method, "budget": self.budget,
+                "max_tokens": self.max_tokens, "temperature": self.temperature}
+
+    # --- tools -------------------------------------------------------------------------------------------
+    def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool], *,
+                   tool_choice: str | None = None, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        if tool_choice not in (None, "auto"):
+            raise ValueError(f"chainkv lets the model decide when to call a tool; tool_choice={tool_choice!r} "
+                             "cannot be enforced (use None or 'auto')")
+        specs = [as_tool(convert_to_openai_tool(t)) for t in tools]
+        return super().bind(tools=specs, **kwargs)
+
+    # --- the session key ------------------------------------------------------------------------------
+    def _with_key(self, config: RunnableConfig | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if "session_id" not in kwargs and self.session_id is None:
+            thread = ((config or {}).get("configurable") or {}).get("thread_id")
+            if thread is not None:
+                kwargs["session_id"] = str(thread)
+        return kwargs
+
+    def invoke(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None,
+               **kwargs: Any) -> AIMessage:
+        return super().invoke(input, config, stop=stop, **self._with_key(config, kwargs))
+
+    async def ainvoke(self, input: LanguageModelInput, config: RunnableConfig | None = None, *,
+                      stop: list[str] | None = None, **kwargs: Any) -> AIMessage:
+        return await super().ainvoke(input, config, stop=stop, **self._with_key(config, kwargs))
+
+    def stream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None,
+               **kwargs: Any) -> Iterator[AIMessageChunk]:
+        return super().stream(input, config, stop=stop, **self._with_key(config, kwargs))
+
+    def astream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *,
+                stop: list[str] | None = None, **kwargs: Any) -> AsyncIterator[AIMessageChunk]:
+        return super().astream(input, config, stop=stop, **self._with_key(config, kwargs))
+
+    def _key(self, kwargs: dict[str, Any], run_manager) -> str | None:
+        key = kwargs.pop("session_id", None) or self.session_id
+        if key is None:
+            key = (ensure_config().get("configurable") or {}).get("thread_id")
+        if key is None and run_manager is not None:
+            key = (getattr(run_manager, "metadata", None) or {}).get("thread_id")
+        return None if key is None else str(key)
+
+    def _call_args(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], run_manager):
+        kwargs = dict(kwargs)
+        key = self._key(kwargs, run_manager)
+        tools: list[ToolSpec] = list(kwargs.pop("tools", []) or [])
+        options = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k,
+                   "top_p": self.top_p, "seed": self.seed, "stop": stop if stop is not None else self.stop,
+                   "method": self.method, "budget": self.budget, "budget_ratio": self.budget_ratio,
+                   "method_args": self.method_args or None}
+        options.update({k: v for k, v in kwargs.items() if k in options})
+        return key, [to_chat_message(m) for m in messages], tools, options
+
+    # --- generation ----------------------------------------------------------------------------------
+    def _result(self, r: TurnResult) -> ChatResult:
+        msg = AIMessage(content=r.text, tool_calls=_lc_tool_calls(r.tool_calls), usage_metadata=_usage_metadata(r),
+                        response_metadata=_response_metadata(r, self.model_name))
+        return ChatResult(generations=[ChatGeneration(message=msg)])
+
+    def _chunk(self, event, k: int) -> ChatGenerationChunk:
+        if isinstance(event, TextDelta):
+            return ChatGenerationChunk(message=AIMessageChunk(content=event.text))
+        if isinstance(event, ToolCall):
+            return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[tool_call_chunk(
+                name=event.name, args=json.dumps(event.arguments), id=event.id, index=k)]))
+        return ChatGenerationChunk(message=AIMessageChunk(
+            content="", usage_metadata=_usage_metadata(event), chunk_position="last",
+            response_metadata=_response_metadata(event, self.model_name)),
+            generation_info={"finish_reason": event.finish_reason})
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        key, msgs, tools, options = self._call_args(messages, stop, kwargs, run_manager)
+        result = None
+        for event in self.conversations.stream(key, msgs, tools, **options):
+            if isinstance(event, TurnResult):
+                result = event
+            elif isinstance(event, TextDelta) and run_manager is not None and event.text:
+                run_manager.on_llm_new_token(event.text)
+        return self._result(result)
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        key, msgs, tools, options = self._call_args(messages, stop, kwargs, run_manager)
+        calls = 0
+        for event in self.conversations.stream(key, msgs, tools, **options):
+            chunk = self._chunk(event, calls)
+            calls += isinstance(event, ToolCall)
+            if run_manager is not None:
+                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        key, msgs, tools, options = self._call_args(messages, stop, kwargs, run_manager)
+        result = None
+        async for event in self.conversations.astream(key, msgs, tools, **options):
+            if isinstance(event, TurnResult):
+                result = event
+            elif isinstance(event, TextDelta) and run_manager is not None and event.text:
+                await run_manager.on_llm_new_token(event.text)
+        return self._result(result)
+
+    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
+                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        key, msgs, tools, options = self._call_args(messages, stop, kwargs, run_manager)
+        calls = 0
+        async for event in self.conversations.astream(key, msgs, tools, **options):
+            chunk = self._chunk(event, calls)
+            calls += isinstance(event, ToolCall)
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+
+__all__ = ["ChatChainKV", "to_chat_message"]

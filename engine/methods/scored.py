@@ -1,0 +1,143 @@
+"""Shared machinery of the eviction methods that score tokens: compress at the end of a prompt.
+
+A :class:`ScoredEviction` method scores every physical token of each kv-head of a layer once the
+turn's input is in (the last prefill chunk), and keeps the top of each head — everything else is
+freed by the cache manager. Subclasses supply the rule:
+
+* ``observe(layer, chunk)``   called for every prefill chunk (accumulate statistics); optional
+* ``probs_window(chunk)``     queries of the last chunk whose attention probabilities ``score``
+                              reads (0: none, and the backend computes none)
+* ``score(layer, chunk)``     ``[H, T]`` float scores, T = the longest head; higher is kept
+* ``layer_budgets(...)``      tokens per head for one layer (default: the spec's budget for all)
+* ``select(...)``             keep-indices from scores (default: a top-k within each head)
+
+The selection helpers are plain functions so the tests can check them against the papers' rules.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from engine.lifecycle import ChunkInfo, PrefillChunk, SparseMethod
+
+
+def mask_past_lengths(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``scores`` ``[H, T]`` with every position past a head's length set to -inf."""
+    T = scores.shape[-1]
+    t = torch.arange(T, device=scores.device)
+    return scores.masked_fill(t[None, :] >= lengths.to(scores.device)[:, None], float("-inf"))
+
+
+def topk_per_head(scores: torch.Tensor, lengths: torch.Tensor, budgets) -> list[torch.Tensor]:
+    """Sorted indices of the ``budgets[h]`` best tokens of each head (all of a head within budget)."""
+    scores = mask_past_lengths(scores.float(), lengths)
+    out = []
+    for h in range(scores.shape[0]):
+        n, b = int(lengths[h]), int(budgets[h])
+        if n <= b:
+            out.append(torch.arange(n))
+        else:
+            out.append(scores[h, :n].topk(b).indices.sort().values.cpu())
+    return out
+
+
+def topk_across_heads(scores: torch.Tensor, lengths: torch.Tensor, total: int, floor: int) -> list[torch.Tensor]:
+    """Ada-KV's selection: each head first keeps its own ``floor`` best tokens, then one top-k over
+    the remaining scores of all heads fills the layer's ``total``; heads end up with different counts."""
+    H, T = scores.shape
+    scores = mask_past_lengths(scores.float(), lengths)
+    if int(lengths.sum()) <= total:
+        return [torch.arange(int(n)) for n in lengths]
+    if floor > 0:
+        f = min(floor, T)
+        safe = scores.topk(f, dim=-1).indices
+        ok = torch.gather(scores, 1, safe) > float("-inf")
+        scores = scores.scatter(1, safe, torch.where(ok, float("inf"), float("-inf")))
+    flat = scores.reshape(-1).topk(total).indices
+    keep = torch.zeros(H * T, dtype=torch.bool, device=scores.device)
+    keep[flat] = True
+    keep = keep.view(H, T).cpu()
+    return [keep[h].nonzero().flatten() for h in range(H)]
+
+
+def pool_1d(x: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
+    """1-D pooling along the last axis, stride 1, same length (SnapKV's smoothing of scores)."""
+    if kernel <= 1 or x.shape[-1] == 0:
+        return x
+    shape = x.shape
+    x = x.reshape(-1, 1, shape[-1])
+    if pooling == "maxpool":
+        x = F.max_pool1d(x, kernel, stride=1, padding=kernel // 2)
+    else:
+        x = F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2)
+    return x[..., : shape[-1]].reshape(shape)
+
+
+def group_mean(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``[Hq, ...]`` -> ``[H, ...]``: mean over each kv-head's group of query heads (GQA)."""
+    return x.reshape(num_kv_heads, -1, *x.shape[1:]).mean(1)
+
+
+class ScoredEviction(SparseMethod):
+    """Base of the prefill-end eviction methods: score each head's tokens, keep the top."""
+
+    needs_budget = True
+
+    # --- the rule (subclasses) ---------------------------------------------------------------
+    def observe(self, layer: int, chunk: PrefillChunk) -> None:
+        pass
+
+    def probs_window(self, chunk: ChunkInfo) -> int:
+        return 0
+
+    def score(self, layer: int, chunk: PrefillChunk) -> torch.Tensor:
+        raise NotImplementedError
+
+    def layer_budgets(self, layer: int, lengths: torch.Tensor, num_tokens: int) -> list[int]:
+        return [self.budget_for(num_tokens)] * len(lengths)
+
+    def select(self, layer: int, scores: torch.Tensor, lengths: torch.Tensor, num_tokens: int):
+        return topk_per_head(scores, lengths, self.layer_budgets(layer, lengths, num_tokens))
+
+    def on_kept(self, layer: int, seq_id, keep: list[torch.Tensor]) -> None:
+        """The tokens ``keep[h]`` stay (methods with per-token state reindex it)."""
+
+    # --- hooks ---------------------------------------------------------------------------------
+    def prefill_probs_window(self, chunk: ChunkInfo) -> int:
+        return self.probs_window(chunk) if chunk.is_last else 0
+
+    def after_prefill_chunk(self, layer: int, chunk: PrefillChunk):
+        self.observe(layer, chunk)
+        if not chunk.is_last:
+            return None
+        budgets = self.layer_budgets(layer, chunk.lengths, chunk.num_tokens)
+        if all(int(n) <= b for n, b in zip(chunk.lengths, budgets)):
+            return None
+        keep = self.select(layer, self.score(layer, chunk), chunk.lengths, chunk.num_tokens)
+        self.on_kept(layer, chunk.seq_id, keep)
+        return keep
+
+
+def force_keep(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``scores`` with the positions of the bool mask ``keep`` raised above every other score
+    (later positions highest, so a budget smaller than the forced set keeps the most recent)."""
+    finite = scores[torch.isfinite(scores)]
+    top = float(finite.max()) if finite.numel() else 0.0
+    span = float(finite.max() - finite.min()) if finite.numel() else 1.0
+    ramp = torch.linspace(1.0, 2.0, scores.shape[-1], device=scores.device)
+    return torch.where(keep, top + (span + 1.0) * ramp, scores)
+
+
+def split_evenly(total: int, weights: list[float]) -> list[int]:
+    """Integers proportional to ``weights`` that add up to ``total`` exactly (largest remainder)."""
+    s = sum(weights)
+    raw = [total * w / s for w in weights] if s > 0 else [total / len(weights)] * len(weights)
+    base = [math.floor(r) for r in raw]
+    rest = total - sum(base)
+    order = sorted(range(len(raw)), key=lambda i: raw[i] - base[i], reverse=True)
+    for i in order[:rest]:
+        base[i] += 1
+    return base

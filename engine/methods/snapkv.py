@@ -1,0 +1,112 @@
+"""snapkv: keep what the prompt's last queries (the observation window) attend to.
+
+Paper: Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation" (NeurIPS 2024).
+Rule: at the end of the prompt take the attention probabilities of its last ``window_size``
+queries over the earlier tokens, sum them over the window, smooth them with a 1-D pooling of
+``kernel_size`` along the sequence (stride 1, same length), average over the query heads of each
+kv-head's GQA group, and keep the ``budget - window`` best tokens of every kv-head plus the window
+itself (always kept). Optionally (``decode_interval`` > 0, as in kvpress' decoding press) the same
+rule runs again every ``decode_interval`` decode steps, its window being the last
+``window_size`` decoded queries, so a long answer stays within ``budget + decode_interval``.
+
+Parameters:
+    budget / budget_ratio    tokens kept per (layer, kv-head), the window included; required
+    window_size = 64         observation window (kvpress' default; the paper uses 32)
+    kernel_size = 5          pooling kernel (kvpress and the paper's code)
+    pooling = "avgpool"      ``avgpool`` or ``maxpool`` (the paper's code offers both)
+    decode_interval = 0      compress again every N decode steps (0: only at the end of a prompt)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.lifecycle import ChunkInfo, DecodeBatch, MethodError, PrefillChunk
+from engine.methods.decode_window import DecodeWindow, window_probs
+from engine.methods.scored import ScoredEviction, force_keep, pool_1d, topk_per_head
+
+
+@dataclass
+class SnapKVParams:
+    window_size: int = 64
+    kernel_size: int = 5
+    pooling: str = "avgpool"
+    decode_interval: int = 0
+
+
+def snapkv_scores(probs: torch.Tensor, lengths: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
+    """SnapKV's score from window probabilities ``[Hq, w, T]``: ``[H, T]``, the window (the last w
+    tokens of each head) forced to the top, -inf past each head's end."""
+    Hq, w, T = probs.shape
+    H = len(lengths)
+    G = Hq // H
+    Tmax = int(lengths.max())
+    scores = torch.full((H, Tmax), float("-inf"), device=probs.device)
+    summed = probs[..., :Tmax].float().sum(1)  # [Hq, T]
+    for h in range(H):
+        n = int(lengths[h])
+        prefix = max(n - w, 0)
+        if prefix:
+            pooled = pool_1d(summed[h * G : (h + 1) * G, :prefix], kernel_size, pooling)
+            scores[h, :prefix] = pooled.mean(0)
+        window = torch.zeros(Tmax, dtype=torch.bool, device=probs.device)
+        window[prefix:n] = True
+        scores[h] = torch.where(window, float("inf"), scores[h])
+    return _rank_window(scores)
+
+
+def _rank_window(scores: torch.Tensor) -> torch.Tensor:
+    inf = torch.isinf(scores) & (scores > 0)
+    return force_keep(scores.masked_fill(inf, float("-inf")), inf)
+
+
+class SnapKV(ScoredEviction):
+    name = "snapkv"
+    Params = SnapKVParams
+
+    def __init__(self, spec, shape):
+        super().__init__(spec, shape)
+        p = self.params
+        self.decode_interval = getattr(p, "decode_interval", 0)  # subclasses (PyramidKV) may not have it
+        if p.window_size < 1 or p.kernel_size < 1 or self.decode_interval < 0:
+            raise MethodError(f"{self.name}: window_size and kernel_size must be >= 1, decode_interval >= 0")
+        if p.pooling not in ("avgpool", "maxpool"):
+            raise MethodError(f"{self.name}.pooling must be avgpool or maxpool, not {p.pooling!r}")
+        self._decode = DecodeWindow(p.window_size) if self.decode_interval else None
+
+    def probs_window(self, chunk: ChunkInfo) -> int:
+        return min(self.params.window_size, chunk.length)
+
+    def score(self, layer: int, chunk: PrefillChunk) -> torch.Tensor:
+        return snapkv_scores(chunk.probs, chunk.lengths, self.params.kernel_size, self.params.pooling)
+
+    # --- optional decode-time compression -------------------------------------------------------
+    def decode_hooks_due(self, seq_ids, lengths) -> bool:
+        return self._decode is not None  # every step: it records the decode queries
+
+    def after_decode(self, layer: int, batch: DecodeBatch):
+        if self._decode is None:
+            return None
+        out = {}
+        for i, seq_id in enumerate(batch.seq_ids):
+            steps = self._decode.push(seq_id, layer, batch.q[i], batch.num_tokens[i] - 1)
+            lengths = batch.lengths[i]
+            budget = self.budget_for(batch.num_tokens[i])
+            if steps % self.decode_interval or int(lengths.max()) <= budget:
+                continue
+            q, q_pos = self._decode.queries(seq_id, layer)
+            k, _, k_pos, _ = batch.cache.gather(seq_id, layer)
+            probs = window_probs(q, q_pos, k, k_pos, self.shape.head_dim ** -0.5)
+            scores = snapkv_scores(probs, lengths, self.params.kernel_size, self.params.pooling)
+            out[seq_id] = topk_per_head(scores, lengths, [budget] * len(lengths))
+        return out
+
+    def release(self, seq_id) -> None:
+        if self._decode is not None:
+            self._decode.release(seq_id)
+
+    def fork_state(self, seq_id, child_id) -> None:
+        if self._decode is not None:
+            self._decode.fork(seq_id, child_id)
