@@ -88,6 +88,7 @@ def chat_turns(draw):
 
 
 UNARY = {
+    "GetServerInfo": st.builds(pb.GetServerInfoRequest),
     "Resume": st.builds(pb.ResumeRequest, session_id=ids, expected_turn_index=maybe(st.integers(-2, 4))),
     "GetSession": st.builds(pb.GetSessionRequest, session_id=ids),
     "EndSession": st.builds(pb.EndSessionRequest, session_id=ids, keep_snapshot=st.booleans()),
@@ -134,7 +135,8 @@ def expected_code(request, md) -> grpc.StatusCode | None:
     """The code the input alone decides, if any."""
     if md is not GOOD:
         return C.UNAUTHENTICATED
-    if not SESSION_ID_RE.fullmatch(request.session_id):
+    sid = getattr(request, "session_id", None)
+    if sid is not None and not SESSION_ID_RE.fullmatch(sid):
         return C.INVALID_ARGUMENT
     return None
 
