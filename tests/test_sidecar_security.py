@@ -178,6 +178,16 @@ def wait_committed(stub, sid, metadata=ALPHA):
     raise AssertionError("snapshot not committed")
 
 
+def wait_idle(stub, sid, metadata=ALPHA):
+    import time
+
+    for _ in range(400):
+        if stub.GetSession(pb.GetSessionRequest(session_id=sid), metadata=metadata).state != pb.SESSION_STATE_ACTIVE:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the session stayed active")
+
+
 def test_tenants_cannot_touch_each_others_sessions(server):
     srv, stub, store, _ = server
     first = turn(stub, "shared-id", "Name a colour.")
@@ -258,6 +268,7 @@ def test_tenant_limits(server):
     # tokens per turn: an explicit max_tokens above it, a prompt above it; an unset one is clipped
     assert code_of(lambda: turn(stub, "q3", "Hi.", max_tokens=49)) == C.INVALID_ARGUMENT
     assert code_of(lambda: turn(stub, "q3", "word " * 80)) == C.INVALID_ARGUMENT
+    wait_idle(stub, "q3")  # a turn refused after rendering releases the session on the engine thread
     req = pb.TurnRequest(session_id="q3", messages=[pb.Message(role="user", content="Count.")], ignore_eos=True)
     done = list(stub.Turn(req, metadata=ALPHA))[-1].completion
     assert done.usage.generated_tokens == 48
