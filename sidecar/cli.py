@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="live sessions one tenant may hold here (more: RESOURCE_EXHAUSTED)")
     g.add_argument("--max-tokens-per-turn", type=int, default=None, metavar="N",
                    help="max_tokens and new prompt tokens one turn may take (more: INVALID_ARGUMENT)")
+    g.add_argument("--tenant-limit", action="append", default=[], metavar="TENANT:KEY=N[,KEY=N]",
+                   help="one tenant's own max_sessions_per_tenant / max_tokens_per_turn (repeatable)")
     add_engine_args(srv)
 
     cal = sub.add_parser("calibrate", help="calibrate a method's head pattern (duo_attention) on generated passkey data")
@@ -122,7 +124,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 limits=Limits(default_max_tokens=args.default_max_tokens), snapshot_kv=args.snapshot_kv,
                                 session_idle_s=args.session_idle_s, grace_s=args.grace_s, auth=auth,
                                 tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-                                tenant_limits=TenantLimits(args.max_sessions_per_tenant, args.max_tokens_per_turn))
+                                tenant_limits=TenantLimits(args.max_sessions_per_tenant, args.max_tokens_per_turn,
+                                                           TenantLimits.parse_overrides(args.tenant_limit)))
         store = open_store(args.store, ttl_s=args.store_ttl, hmac_keys=load_keys(args.snapshot_hmac_key_file))
     except (ValueError, OSError, StoreError) as e:
         print(f"chainkv: {e}", file=sys.stderr)

@@ -9,12 +9,13 @@
   leaves ``max_tokens`` unset gets at most this many.
 
 With auth off every caller is the anonymous tenant ``""``, so the limits apply to the replica
-as a whole. None (the default) means no limit.
+as a whole. None (the default) means no limit. ``--tenant-limit TENANT:KEY=N[,KEY=N]`` gives one
+tenant its own values (``--tenant-limit batch:max_sessions_per_tenant=512,max_tokens_per_turn=8192``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -29,16 +30,42 @@ class TurnTooLarge(ValueError):
     """A turn asks for more tokens than a tenant's turn may take (INVALID_ARGUMENT)."""
 
 
+LIMIT_KEYS = ("max_sessions_per_tenant", "max_tokens_per_turn")
+
+
 @dataclass
 class TenantLimits:
     max_sessions_per_tenant: int | None = None
     max_tokens_per_turn: int | None = None
+    overrides: dict[str, dict[str, int]] = field(default_factory=dict)
+    """tenant -> its own values for some of LIMIT_KEYS."""
 
     def __post_init__(self):
-        for name in ("max_sessions_per_tenant", "max_tokens_per_turn"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ValueError(f"{name} must be at least 1 (or unset), not {v}")
+        for values in [{k: getattr(self, k) for k in LIMIT_KEYS}, *self.overrides.values()]:
+            for name, v in values.items():
+                if name not in LIMIT_KEYS:
+                    raise ValueError(f"unknown tenant limit {name!r}; use {', '.join(LIMIT_KEYS)}")
+                if v is not None and v < 1:
+                    raise ValueError(f"{name} must be at least 1 (or unset), not {v}")
+
+    @staticmethod
+    def parse_overrides(items: Iterable[str]) -> dict[str, dict[str, int]]:
+        """``TENANT:KEY=N[,KEY=N]`` items (``--tenant-limit``) -> overrides."""
+        out: dict[str, dict[str, int]] = {}
+        for item in items:
+            tenant, sep, rest = item.partition(":")
+            pairs = [p.partition("=") for p in rest.split(",") if p.strip()]
+            if not sep or not pairs or any(not eq for _, eq, _ in pairs):
+                raise ValueError(f"--tenant-limit expects TENANT:KEY=N[,KEY=N], got {item!r}")
+            try:
+                out.setdefault(tenant.strip(), {}).update({k.strip(): int(v) for k, _, v in pairs})
+            except ValueError:
+                raise ValueError(f"--tenant-limit {item!r}: values must be integers") from None
+        return out
+
+    def limit(self, tenant: str, name: str) -> int | None:
+        own = self.overrides.get(tenant, {})
+        return own[name] if name in own else getattr(self, name)
 
     @staticmethod
     def tenant_of(key: str) -> str:
@@ -51,21 +78,21 @@ class TenantLimits:
     def check_new_session(self, tenant: str, sessions: Iterable["Session"], exclude: str | None = None) -> None:
         """Raise QuotaExceeded when ``tenant`` already holds its most sessions (``exclude``: the
         session being started, already registered)."""
-        n = self.max_sessions_per_tenant
+        n = self.limit(tenant, "max_sessions_per_tenant")
         if n is not None and self.held(tenant, sessions, exclude) >= n:
             who = f"tenant {tenant!r}" if tenant else "this sidecar"
             raise QuotaExceeded(f"{who} holds {n} session(s), its limit; end one (EndSession) or retry later")
 
-    def check_max_tokens(self, max_tokens: int, was_set: bool) -> int:
+    def check_max_tokens(self, tenant: str, max_tokens: int, was_set: bool) -> int:
         """The turn's max_tokens under the limit (an unset one is clipped to it)."""
-        n = self.max_tokens_per_turn
+        n = self.limit(tenant, "max_tokens_per_turn")
         if n is None or max_tokens <= n:
             return max_tokens
         if not was_set:
             return n
-        raise TurnTooLarge(f"max_tokens {max_tokens} is above this tenant's limit of {n} tokens per turn")
+        raise TurnTooLarge(f"max_tokens {max_tokens} is above the limit of {n} tokens per turn")
 
-    def check_prompt(self, prompt_tokens: int) -> None:
-        n = self.max_tokens_per_turn
+    def check_prompt(self, tenant: str, prompt_tokens: int) -> None:
+        n = self.limit(tenant, "max_tokens_per_turn")
         if n is not None and prompt_tokens > n:
             raise TurnTooLarge(f"the turn's new messages are {prompt_tokens} tokens; the limit is {n} tokens per turn")

@@ -240,7 +240,8 @@ class SidecarService:
         tenant = self._begin(request, context)
         args = parse_turn(request, self.opts.limits)
         limits = self.opts.tenant_limits
-        args.params.max_tokens = limits.check_max_tokens(args.params.max_tokens, request.HasField("max_tokens"))
+        args.params.max_tokens = limits.check_max_tokens(tenant, args.params.max_tokens,
+                                                         request.HasField("max_tokens"))
         key = scoped_key(tenant, args.session_id)
         self._check_quota(tenant, key)
         s = await self.sessions.get(key, create=True, expected_turn_index=args.expected_turn_index,
@@ -288,7 +289,7 @@ class SidecarService:
                                                args.shared_prefix_messages)
         else:
             rendered = await asyncio.to_thread(self.renderer.continuation, args.messages, s.ends_with_eot)
-        self.opts.tenant_limits.check_prompt(len(rendered.token_ids))
+        self.opts.tenant_limits.check_prompt(TenantLimits.tenant_of(key), len(rendered.token_ids))
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 

@@ -142,7 +142,8 @@ def server(smol_engine, redis_proc, tmp_path_factory):
     hooks = MetricsHooks(smol_engine)
     metrics_port = hooks.serve(0, "127.0.0.1")
     options = ServerOptions(port=0, auth=Authenticator(TOKENS), snapshot_retry_max_s=0.5, resume_wait_s=1.0,
-                            tenant_limits=TenantLimits(max_sessions_per_tenant=3, max_tokens_per_turn=48))
+                            tenant_limits=TenantLimits(max_sessions_per_tenant=3, max_tokens_per_turn=48,
+                                                       overrides={"beta": {"max_sessions_per_tenant": 2}}))
     srv = ServerThread(smol_engine, options, store, hooks)
     port = srv.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -175,6 +176,16 @@ def wait_committed(stub, sid, metadata=ALPHA):
             return s
         time.sleep(0.05)
     raise AssertionError("snapshot not committed")
+
+
+def wait_idle(stub, sid, metadata=ALPHA):
+    import time
+
+    for _ in range(400):
+        if stub.GetSession(pb.GetSessionRequest(session_id=sid), metadata=metadata).state != pb.SESSION_STATE_ACTIVE:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the session stayed active")
 
 
 def test_tenants_cannot_touch_each_others_sessions(server):
@@ -239,6 +250,9 @@ def test_tampered_snapshot_is_refused_with_data_loss(server, smol_engine):
 
 def test_tenant_limits(server):
     srv, stub, _, _ = server
+    turn(stub, "qs", "Hi.", max_tokens=2)  # a session only in the store: resuming it would hold one more
+    wait_committed(stub, "qs")
+    stub.EndSession(pb.EndSessionRequest(session_id="qs", keep_snapshot=True), metadata=ALPHA)
     for i in range(3):
         turn(stub, f"q{i}", "Hi.", max_tokens=2)
     assert code_of(lambda: turn(stub, "q3", "Hi.", max_tokens=2)) == C.RESOURCE_EXHAUSTED
@@ -246,17 +260,31 @@ def test_tenant_limits(server):
                                             metadata=ALPHA)) == C.RESOURCE_EXHAUSTED
     assert turn(stub, "q1", "Again.", max_tokens=2).turn_index == 1  # existing sessions carry on
     assert turn(stub, "b0", "Hi.", max_tokens=2, metadata=BETA).turn_index == 0  # another tenant's quota
+    assert turn(stub, "b1", "Hi.", max_tokens=2, metadata=BETA).turn_index == 0
+    assert code_of(lambda: turn(stub, "b2", "Hi.", max_tokens=2, metadata=BETA)) == C.RESOURCE_EXHAUSTED  # its own: 2
+    assert code_of(lambda: stub.Resume(pb.ResumeRequest(session_id="qs"), metadata=ALPHA)) == C.RESOURCE_EXHAUSTED
     stub.EndSession(pb.EndSessionRequest(session_id="q2"), metadata=ALPHA)
     assert turn(stub, "q3", "Hi.", max_tokens=2).turn_index == 0
     # tokens per turn: an explicit max_tokens above it, a prompt above it; an unset one is clipped
     assert code_of(lambda: turn(stub, "q3", "Hi.", max_tokens=49)) == C.INVALID_ARGUMENT
     assert code_of(lambda: turn(stub, "q3", "word " * 80)) == C.INVALID_ARGUMENT
+    wait_idle(stub, "q3")  # a turn refused after rendering releases the session on the engine thread
     req = pb.TurnRequest(session_id="q3", messages=[pb.Message(role="user", content="Count.")], ignore_eos=True)
     done = list(stub.Turn(req, metadata=ALPHA))[-1].completion
     assert done.usage.generated_tokens == 48
-    for sid in ("q0", "q1", "q3"):
+    for sid in ("q0", "q1", "q3", "qs"):
         stub.EndSession(pb.EndSessionRequest(session_id=sid), metadata=ALPHA)
-    stub.EndSession(pb.EndSessionRequest(session_id="b0"), metadata=BETA)
+    for sid in ("b0", "b1"):
+        stub.EndSession(pb.EndSessionRequest(session_id=sid), metadata=BETA)
+    from sidecar.limits import TenantLimits
+
+    assert TenantLimits.parse_overrides(["batch:max_sessions_per_tenant=5,max_tokens_per_turn=9", "x:max_tokens_per_turn=2"]) \
+        == {"batch": {"max_sessions_per_tenant": 5, "max_tokens_per_turn": 9}, "x": {"max_tokens_per_turn": 2}}
+    for bad in (["batch"], ["batch:max_sessions_per_tenant"], ["b:max_sessions_per_tenant=x"]):
+        with pytest.raises(ValueError):
+            TenantLimits.parse_overrides(bad)
+    with pytest.raises(ValueError, match="unknown tenant limit"):
+        TenantLimits(overrides={"b": {"max_session": 1}})
 
 
 def test_metrics_on_the_side_port(server):

@@ -35,6 +35,7 @@ class Sidecar:
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.output: list[str] = []
         self.port: int | None = None
+        self.metrics_port: int | None = None
         self._ready = threading.Event()
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
         return self
@@ -42,6 +43,8 @@ class Sidecar:
     def _read(self, proc) -> None:
         for line in proc.stdout:
             self.output.append(line)
+            if line.startswith("chainkv: metrics on http://"):
+                self.metrics_port = int(line.rsplit(":", 1)[1].split("/")[0])
             if "serving chainkv.v1.Sidecar on" in line:
                 self.port = int(line.split(" on ", 1)[1].split()[0].rsplit(":", 1)[1])
                 self._ready.set()
@@ -54,6 +57,16 @@ class Sidecar:
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = sidecar_pb2_grpc.SidecarStub(self.channel)
         return self
+
+    def metrics(self) -> dict[tuple, float]:
+        """The metrics endpoint's samples: (name, sorted labels) -> value."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
 
     def serving(self) -> bool:
         h = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service="chainkv.v1.Sidecar"),

@@ -1,13 +1,15 @@
-"""Fault injection: SIGKILL of a sidecar mid-stream and mid-snapshot, Redis crashed (SIGKILL) and restarted
-right after a turn, the local store's writer killed mid-write. After each, no committed turn is lost and
+"""Fault injection: SIGKILL of a sidecar mid-stream and mid-snapshot, Redis crashed (SIGKILL) while a turn
+runs and restarted, the local store's writer killed mid-write. After each, no committed turn is lost and
 a resumed session continues with the same greedy tokens as an uninterrupted run.
 
 Two sidecar processes (P1, P2: ``chainkv serve`` on SmolLM2, CPU) share a Redis with an
-append-only file (fsync on every write); P1 is restarted once.
+append-only file (fsync on every write); P1 is restarted once. Both sign their snapshots
+(``--snapshot-hmac-key-file``); P2 also serves metrics and logs JSON, which the tests read.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -62,16 +64,26 @@ def redis_proc(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(redis_proc):
-    p1, p2 = Sidecar(redis_proc.url).start(), Sidecar(redis_proc.url).start()
-    procs = {"p1": p1, "p2": p2}
+def hmac_args(tmp_path_factory):
+    key = tmp_path_factory.mktemp("hmac") / "key"
+    key.write_bytes(os.urandom(16).hex().encode() + b"\n")
+    return ["--snapshot-hmac-key-file", str(key)]
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_proc, hmac_args):
+    p1 = Sidecar(redis_proc.url, *hmac_args).start()
+    p2 = Sidecar(redis_proc.url, *hmac_args, "--metrics-port", "0", "--metrics-host", "127.0.0.1",
+                 "--log-format", "json").start()
+    procs = {"p1": p1, "p2": p2, "args": hmac_args}
     try:
         p1.wait_ready(), p2.wait_ready()
         ref = [run(p1.stub, request("ref", t)) for t in TURNS]
         yield procs, ref
     finally:
-        for p in procs.values():
-            p.stop()
+        for name, p in procs.items():
+            if name != "args":
+                p.stop()
 
 
 def test_sigkill_mid_stream_then_resume_elsewhere(cluster, redis_proc, reliability_report):
@@ -91,7 +103,7 @@ def test_sigkill_mid_stream_then_resume_elsewhere(cluster, redis_proc, reliabili
         for _ in stream:
             pass
     assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
-    procs["p1"] = Sidecar(redis_proc.url).start()  # restarts while P2 carries on
+    procs["p1"] = Sidecar(redis_proc.url, *procs["args"]).start()  # restarts while P2 carries on
     assert stored_turn(redis_proc, "k1") == 2  # both committed turns are there; the interrupted one is not
     info = p2.stub.Resume(pb.ResumeRequest(session_id="k1", expected_turn_index=2), metadata=ALPHA)
     assert info.source_tier == pb.TIER_STORE and info.turn_index == 2
@@ -102,13 +114,18 @@ def test_sigkill_mid_stream_then_resume_elsewhere(cluster, redis_proc, reliabili
                                          "resumed_identical": third.token_ids == ref[2].token_ids})
 
 
-def test_redis_killed_and_restarted_right_after_a_turn(cluster, redis_proc, reliability_report):
+def test_redis_killed_mid_turn_and_restarted(cluster, redis_proc, reliability_report):
     procs, ref = cluster
     p2 = procs["p2"]
     run(p2.stub, request("k3", TURNS[0]))
     wait_for(lambda: committed(p2.stub, "k3"), what="k3's first snapshot")
-    second = run(p2.stub, request("k3", TURNS[1]))
-    redis_proc.kill()  # the write-behind snapshot of turn 2 is on its way (or just landed)
+    stream = p2.stub.Turn(request("k3", TURNS[1]), metadata=ALPHA)
+    events = [next(stream)]
+    redis_proc.kill()  # crashes while the turn runs: the turn's snapshot meets a dead store
+    events += list(stream)
+    second = events[-1].completion
+    wait_for(lambda: p2.stub.GetSession(pb.GetSessionRequest(session_id="k3"), metadata=ALPHA).snapshot_error,
+             what="a failed snapshot attempt")
     redis_proc.start()  # the same port; the append-only file brings back every acknowledged write
     assert stored_turn(redis_proc, "k1") == 3  # written before the crash: kept
     wait_for(lambda: committed(p2.stub, "k3"), timeout=120, what="the snapshot to be written after the restart")
@@ -119,7 +136,14 @@ def test_redis_killed_and_restarted_right_after_a_turn(cluster, redis_proc, reli
     third = run(p1.stub, request("k3", TURNS[2], expected_turn_index=2))
     assert second.token_ids == ref[1].token_ids and third.token_ids == ref[2].token_ids
     assert p2.serving() and p1.serving()
-    reliability_report["faults"].append({"fault": "Redis SIGKILL + restart (AOF) with a snapshot in flight", "count": 1,
+    assert redis_proc.client().hget("chainkv:{alpha/k3}:meta", "mac")  # signed
+    # P2 counted the failed attempts, logged them as JSON, and recorded the snapshot that landed
+    m = p2.metrics()
+    assert m[("chainkv_snapshot_failures_total", (("reason", "unavailable"),))] >= 1
+    assert m[("chainkv_snapshot_seconds_count", ())] >= 3
+    logged = [json.loads(line) for line in p2.output if line.startswith("{")]
+    assert any(r["level"] == "WARNING" and r["logger"] == "sidecar.snapshots" and "alpha/k3" in r["msg"] for r in logged)
+    reliability_report["faults"].append({"fault": "Redis SIGKILL mid-turn + restart (AOF); the snapshot retried", "count": 1,
                                          "sessions": 2, "sessions_lost": 0, "committed_turns_lost": 0,
                                          "resumed_identical": True})
 

@@ -38,7 +38,8 @@ SPECIAL = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "</tool
 content = st.lists(st.one_of(st.text(max_size=24), st.sampled_from(SPECIAL)), max_size=4).map("".join)
 ids = st.one_of(st.sampled_from(["s1", "s2", "s1", "s2", "fz.3", "a" * 128, "a" * 129, "", "x/y", "{t}", "é"]),
                 st.text(max_size=20), st.from_regex(SESSION_ID_RE, fullmatch=True))
-metadata = st.sampled_from([GOOD, GOOD, GOOD, None, [("authorization", "Bearer nope")], [("authorization", "Basic x")]])
+metadata = st.one_of(st.just(GOOD), st.sampled_from([GOOD, None, [("authorization", "Bearer nope")],
+                                                      [("authorization", "Basic x")], [("authorization", "Bearer ")]]))
 maybe = lambda s: st.one_of(st.none(), s)  # noqa: E731
 floats = st.floats(allow_nan=True, allow_infinity=True)
 u32 = st.integers(0, 2**32 - 1)
@@ -56,8 +57,11 @@ tool = st.builds(pb.Tool, name=st.one_of(st.just("lookup"), st.text(max_size=10)
 
 @st.composite
 def turn_requests(draw):
-    fields = dict(session_id=draw(ids), request_id=draw(st.one_of(st.just(""), ids)),
-                  messages=draw(st.lists(message, max_size=3)), tools=draw(st.lists(tool, max_size=2)),
+    user = st.builds(pb.Message, role=st.just("user"), content=content)
+    fields = dict(session_id=draw(st.one_of(st.sampled_from(["w1", "w2"]), ids)),
+                  request_id=draw(st.one_of(st.just(""), ids)),
+                  messages=draw(st.one_of(st.lists(user, min_size=1, max_size=2), st.lists(message, max_size=3))),
+                  tools=draw(st.one_of(st.just([]), st.lists(tool, max_size=2))),
                   stop=draw(st.lists(st.text(max_size=6), max_size=3)), ignore_eos=draw(st.booleans()),
                   method=draw(st.sampled_from(["", "", "dense", "streaming_llm", "snapkv", "no_such", "h2o"])),
                   method_args=draw(st.dictionaries(st.sampled_from(["window", "sink", "x", ""]), st.text(max_size=5),
@@ -84,6 +88,7 @@ def chat_turns(draw):
 
 
 UNARY = {
+    "GetServerInfo": st.builds(pb.GetServerInfoRequest),
     "Resume": st.builds(pb.ResumeRequest, session_id=ids, expected_turn_index=maybe(st.integers(-2, 4))),
     "GetSession": st.builds(pb.GetSessionRequest, session_id=ids),
     "EndSession": st.builds(pb.EndSessionRequest, session_id=ids, keep_snapshot=st.booleans()),
@@ -130,7 +135,8 @@ def expected_code(request, md) -> grpc.StatusCode | None:
     """The code the input alone decides, if any."""
     if md is not GOOD:
         return C.UNAUTHENTICATED
-    if not SESSION_ID_RE.fullmatch(request.session_id):
+    sid = getattr(request, "session_id", None)
+    if sid is not None and not SESSION_ID_RE.fullmatch(sid):
         return C.INVALID_ARGUMENT
     return None
 
@@ -190,10 +196,33 @@ def test_fuzz_unary(fuzz_server, reliability_report, rpc):
     fuzz()
 
 
+VALID = pb.TurnRequest(session_id="s1", request_id="r", max_tokens=2, temperature=0.5, seed=3, stop=["x"],
+                      messages=[pb.Message(role="user", content="Hello there")]).SerializeToString()
+
+
+@st.composite
+def mutated(draw):
+    """A valid TurnRequest's bytes with a few bytes replaced, cut or inserted."""
+    data = bytearray(VALID)
+    for _ in range(draw(st.integers(1, 4))):
+        i = draw(st.integers(0, len(data) - 1))
+        op = draw(st.sampled_from(["set", "cut", "insert"]))
+        if op == "set":
+            data[i] = draw(st.integers(0, 255))
+        elif op == "cut":
+            del data[i:]
+            if not data:
+                break
+        else:
+            data[i:i] = draw(st.binary(min_size=1, max_size=4))
+    return bytes(data)
+
+
 @FUZZ
-@given(rpc=st.sampled_from(["Turn", *sorted(UNARY)]), data=st.binary(max_size=96))
+@given(rpc=st.sampled_from(["Turn", *sorted(UNARY)]), data=st.one_of(st.binary(max_size=96), mutated()))
 def test_fuzz_raw_bytes(fuzz_server, reliability_report, rpc, data):
-    """Arbitrary bytes as the request message: they parse (as something) or get INVALID_ARGUMENT."""
+    """Arbitrary bytes, and damaged valid requests, as the request message: they parse (as
+    something) or get INVALID_ARGUMENT."""
     _, channel = fuzz_server
     path = f"/chainkv.v1.Sidecar/{rpc}"
     if rpc == "Turn":
