@@ -43,7 +43,6 @@ import random
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -170,6 +169,8 @@ async def run_config(client: AsyncChainKVClient, cfg: Config, trace, thinks, arg
                              "session_wall_s": time.perf_counter() - t_start})
             if cfg.chain:
                 await client.end_session(sid)
+            if tag != "warmup":
+                print(f"  {cfg.name}: session {i} done in {time.perf_counter() - t_start:.1f} s", flush=True)
 
     await asyncio.gather(*(session(i) for i in range(len(trace))))
     return rows

@@ -146,6 +146,8 @@ def agent_trace_section(d: dict, stem: str) -> str:
              "busy = the sum of a session's turn latencies (think time excluded), JCT = its wall time; "
              "speedup = nochain's mean busy time / the configuration's.",
              table(rows, cols)]
+    if d.get("note"):
+        parts.append(d["note"])
     if d.get("skipped"):
         parts.append("Skipped: " + "; ".join(f"{s['config']} ({s['reason']})" for s in d["skipped"]) + ".")
     series = {r["config"]: [v * 1e3 for v in r["ttft_by_turn_s"]] for r in d["rows"]}

@@ -1,0 +1,75 @@
+"""The adapters' bookkeeping without a server: the session ledger and stream resumption."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from agent_adapters.client import StreamDiverged, _Resume, build_turn_request
+from agent_adapters.ledger import SessionLedger, session_id_for
+from agent_adapters.messages import ChatMessage, TextDelta, ToolCall, TurnResult, Usage
+from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
+
+
+def result(text: str, calls=()) -> TurnResult:
+    return TurnResult("s", "r", 0, 1, "stop", text, tuple(calls), (), Usage(), False)
+
+
+def test_ledger_sends_only_the_extension_and_moves_an_edited_history_to_a_fresh_session():
+    ledger = SessionLedger()
+    sys_, user = ChatMessage("system", "be brief"), ChatMessage("user", "hi")
+    first = ledger.plan("thread-1", [sys_, user])
+    assert first.session_id == "thread-1" and first.first and not first.known and first.messages == [sys_, user]
+    ledger.record(first, result("hello", [ToolCall("call_0_0", "f", {"x": 1})]))
+    reply = ChatMessage("assistant", "hello", tool_calls=(ToolCall("other-id", "f", {"x": 1}),))  # ids do not matter
+    tool = ChatMessage("tool", "42", tool_call_id="call_0_0")
+    second = ledger.plan("thread-1", [sys_, user, reply, tool])
+    assert second.session_id == "thread-1" and not second.first and second.messages == [tool]
+    edited = ledger.plan("thread-1", [sys_, ChatMessage("user", "HI"), reply, tool])
+    assert edited.session_id.startswith("thread-1~") and edited.first and len(edited.messages) == 4
+    same = ledger.plan("thread-1", [sys_, user])  # nothing new: cannot be a continuation either
+    assert same.first and same.session_id != "thread-1"
+    with pytest.raises(ValueError):
+        ledger.plan("thread-1", [])
+
+
+def test_keys_that_are_not_session_ids_are_hashed():
+    assert session_id_for("run-42") == "run-42"
+    weird = session_id_for("user/42 {x}")
+    assert weird.startswith("h-") and weird == session_id_for("user/42 {x}") and len(weird) <= 128
+
+
+def _delta(text: str, ids) -> pb.TurnEvent:
+    return pb.TurnEvent(delta=pb.TextDelta(text=text, token_ids=ids))
+
+
+def test_a_retried_stream_delivers_only_what_was_not_delivered():
+    r = _Resume()
+    r.new_attempt()
+    out = r.feed(_delta("Hel", [1])) + r.feed(_delta("lo", [2]))
+    assert out == [TextDelta("Hel", (1,)), TextDelta("lo", (2,))]
+    r.new_attempt()  # the replay: the whole text at once, then the completion
+    out = r.feed(_delta("Hello world", [1, 2, 3]))
+    assert out == [TextDelta(" world", (3,))]
+    done = r.feed(pb.TurnEvent(completion=pb.TurnCompletion(text="Hello world", token_ids=[1, 2, 3], replayed=True)))
+    assert isinstance(done[0], TurnResult) and done[0].replayed and done[0].attempts == 2
+
+
+def test_a_retried_stream_that_differs_raises():
+    r = _Resume()
+    r.new_attempt()
+    r.feed(_delta("Hello", [1]))
+    r.new_attempt()
+    with pytest.raises(StreamDiverged) as e:
+        r.feed(_delta("Goodbye", [9]))
+    assert e.value.code is grpc.StatusCode.DATA_LOSS
+
+
+def test_turn_requests_take_engine_names_and_reject_unknown_options():
+    req = build_turn_request("s", [{"role": "user", "content": "x"}], max_tokens=4, stop="END", method="dense",
+                             method_args={"n_sink": 4}, tools=[{"type": "function", "function": {"name": "f"}}])
+    assert req.max_tokens == 4 and list(req.stop) == ["END"] and req.method_args["n_sink"] == "4"
+    assert req.request_id and req.tools[0].name == "f" and not req.HasField("temperature")
+    assert build_turn_request("s", [{"role": "user", "content": "x"}], request_id="").request_id == ""
+    with pytest.raises(TypeError):
+        build_turn_request("s", [{"role": "user", "content": "x"}], max_token=4)
