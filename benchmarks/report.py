@@ -171,11 +171,53 @@ def selection_overhead_section(d: dict) -> str:
     ])
 
 
+def _pivot(rows: list[dict], metrics: list[tuple[str, str]]) -> tuple[list[dict], list[tuple[str, str]]]:
+    """One row per method, one column per (budget, metric); a method without a budget (dense)
+    shows its value under every budget, so each method sits next to dense."""
+    budgets = sorted({r["budget_ratio"] for r in rows if r["budget_ratio"] is not None}, reverse=True)
+    out: dict[str, dict] = {}
+    for r in rows:
+        row = out.setdefault(r["method"], {"method": r["method"]})
+        for b in ([r["budget_ratio"]] if r["budget_ratio"] is not None else budgets):
+            for key, _ in metrics:
+                row[f"{key}@{b}"] = r.get(key)
+    cols = [("method", "method")] + [(f"{k}@{b}", f"{h} @ {b:.0%}") for b in budgets for k, h in metrics]
+    return list(out.values()), cols
 
-RENDERERS = {"decode_throughput": decode_section, "kernel_bandwidth": kernel_section,
-             "agent_trace_cpu": lambda d: agent_trace_section(d, "agent_trace_cpu"),
-             "agent_trace_gpu": lambda d: agent_trace_section(d, "agent_trace_gpu"),
-             "reliability": reliability_section, "selection_overhead": selection_overhead_section}
+
+def quality_section(d: dict, name: str = "quality") -> str:
+    parts = [f"## Quality next to dense ({name})",
+             f"`{d.get('command', 'benchmarks/quality.py')}` on {d.get('device', '?')} ({d.get('model', '?')}), "
+             f"{d.get('elapsed_s', 0) / 60:.0f} min. Budgets are fractions of the context kept per (layer, kv-head)."]
+    pk = d.get("passkey")
+    if pk and pk.get("rows"):
+        rows, cols = _pivot(pk["rows"], [("accuracy", "accuracy"), ("evicted_fraction", "evicted")])
+        parts += [f"**(a) Passkey retrieval**: {pk['samples']} locally generated haystacks of ~{pk['context_tokens']} "
+                  "tokens, the key at a random depth, greedy answer; accuracy = answers containing the key, "
+                  "evicted = fraction of the prompt's KV freed.", table(rows, cols)]
+    ag = d.get("agreement")
+    if ag and ag.get("rows"):
+        rows, cols = _pivot(ag["rows"], [("top1_agreement", "top-1 agreement"), ("mean_kl", "mean KL")])
+        parts += [f"**(b) Agreement with dense, teacher-forced**: {ag['segments']} segments of `{ag['text']}`, "
+                  f"{ag['context_tokens']} context tokens compressed as a first turn, then {ag['continuation_tokens']} "
+                  "continuation tokens fed through the compressed cache; top-1 next-token agreement with dense and "
+                  "mean KL(dense || method) per position.", table(rows, cols)]
+    if d.get("note"):
+        parts.append(d["note"])
+    return "\n\n".join(parts)
+
+
+# results file stem -> section renderer (files without one get a generic table)
+RENDERERS = {
+    "decode_throughput": decode_section,
+    "kernel_bandwidth": kernel_section,
+    "agent_trace_cpu": lambda d: agent_trace_section(d, "agent_trace_cpu"),
+    "agent_trace_gpu": lambda d: agent_trace_section(d, "agent_trace_gpu"),
+    "reliability": reliability_section,
+    "selection_overhead": selection_overhead_section,
+    "quality_eviction": lambda d: quality_section(d, "eviction methods"),
+    "quality_selection": lambda d: quality_section(d, "selection and quantization methods"),
+}
 
 
 def main() -> None:

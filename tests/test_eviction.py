@@ -58,13 +58,14 @@ def tiny_engine(tiny_models):
 def _spy(engine, spec):
     """Record, at each hook, the q the method saw and the whole cache before its decision."""
     m = engine.controller.method_for(spec)
-    seen = {"prefill": {}, "decode": {}}
+    seen = {"prefill": {}, "decode": {}, "chunks": {}}
     orig_prefill, orig_decode = m.after_prefill_chunk, m.after_decode
 
     def after_prefill_chunk(layer, chunk):
         k, v, pos, _ = chunk.cache.gather(chunk.seq_id, layer)
         seen["prefill"][layer] = dict(q=chunk.q.clone(), qpos=torch.arange(chunk.start, chunk.num_tokens), k=k.clone(),
                                       v=v.clone(), pos=pos.clone())
+        seen["chunks"].setdefault(layer, []).append(seen["prefill"][layer])
         return orig_prefill(layer, chunk)
 
     def after_decode(layer, batch):
@@ -122,6 +123,19 @@ def test_snapkv_rule(tiny_engine):
         s = snap(rec, w, kernel)
         for h in range(2):
             assert kept[layer][h] == top(s[h], B - w) + list(range(N - w, N)), (layer, h)
+
+
+def test_snapkv_window_spans_prefill_chunks(tiny_models):
+    """Chunks of 20, 20 and 8 tokens: the 12-token window reaches back into the second chunk."""
+    engine = LLMEngine(EngineConfig(model=tiny_models("llama")[0], num_pages=4000, page_size=4, prefill_chunk_size=20))
+    w, kernel = 12, 3
+    seen, kept = _run(engine, MethodSpec("snapkv", budget=B + 8, method_args={"window_size": w, "kernel_size": kernel}), 3)
+    for layer, chunks in seen["chunks"].items():
+        assert [len(c["q"]) for c in chunks] == [20, 20, 8]
+        rec = dict(chunks[-1], q=torch.cat([c["q"] for c in chunks]), qpos=torch.arange(N))
+        s = snap(rec, w, kernel)
+        for h in range(2):
+            assert kept[layer][h] == top(s[h], B + 8 - w) + list(range(N - w, N)), (layer, h)
 
 
 def test_pyramidkv_rule(tiny_engine):

@@ -5,7 +5,9 @@ Rule: at the end of the prompt take the attention probabilities of its last ``wi
 queries over the earlier tokens, sum them over the window, smooth them with a 1-D pooling of
 ``kernel_size`` along the sequence (stride 1, same length), average over the query heads of each
 kv-head's GQA group, and keep the ``budget - window`` best tokens of every kv-head plus the window
-itself (always kept). Optionally (``decode_interval`` > 0, as in kvpress' decoding press) the same
+itself (always kept). When the prompt's last prefill chunk is shorter than the window, the window
+reaches back into the chunk before it: those queries are kept from the earlier chunk and their
+attention is recomputed over the cache. Optionally (``decode_interval`` > 0, as in kvpress' decoding press) the same
 rule runs again every ``decode_interval`` decode steps, its window being the last
 ``window_size`` decoded queries, so a long answer stays within ``budget + decode_interval``.
 
@@ -75,12 +77,30 @@ class SnapKV(ScoredEviction):
         if p.pooling not in ("avgpool", "maxpool"):
             raise MethodError(f"{self.name}.pooling must be avgpool or maxpool, not {p.pooling!r}")
         self._decode = DecodeWindow(p.window_size) if self.decode_interval else None
+        self._tail: dict[tuple, tuple[torch.Tensor, int]] = {}  # (seq, layer) -> (last queries, end position)
 
     def probs_window(self, chunk: ChunkInfo) -> int:
         return min(self.params.window_size, chunk.length)
 
+    def observe(self, layer: int, chunk: PrefillChunk) -> None:
+        """Keep the last ``window_size`` queries of a prompt across its chunks."""
+        key, w = (chunk.seq_id, layer), self.params.window_size
+        prev = self._tail.pop(key, None)
+        if chunk.is_last:
+            if prev is not None and prev[1] == chunk.start and chunk.length < w:
+                self._tail[key] = (torch.cat([prev[0], chunk.q])[-w:], chunk.num_tokens)
+            return
+        q = chunk.q[-w:] if prev is None or prev[1] != chunk.start else torch.cat([prev[0], chunk.q])[-w:]
+        self._tail[key] = (q.detach().clone(), chunk.num_tokens)
+
     def score(self, layer: int, chunk: PrefillChunk) -> torch.Tensor:
-        return snapkv_scores(chunk.probs, chunk.lengths, self.params.kernel_size, self.params.pooling)
+        probs = chunk.probs
+        tail = self._tail.pop((chunk.seq_id, layer), None)
+        if tail is not None:  # the window spans the chunk before: recompute its attention
+            q, end = tail
+            k, _, k_pos, _ = chunk.cache.gather(chunk.seq_id, layer)
+            probs = window_probs(q, torch.arange(end - q.shape[0], end), k, k_pos, self.shape.head_dim ** -0.5)
+        return snapkv_scores(probs, chunk.lengths, self.params.kernel_size, self.params.pooling)
 
     # --- optional decode-time compression -------------------------------------------------------
     def decode_hooks_due(self, seq_ids, lengths) -> bool:
@@ -104,6 +124,8 @@ class SnapKV(ScoredEviction):
         return out
 
     def release(self, seq_id) -> None:
+        for key in [k for k in self._tail if k[0] == seq_id]:
+            del self._tail[key]
         if self._decode is not None:
             self._decode.release(seq_id)
 
