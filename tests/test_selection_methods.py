@@ -156,8 +156,8 @@ def test_offload_keeps_device_pages_within_budget(smol_engine, prompt):
         assert eng.manager.num_pages(other) == int(((lengths + P - 1) // P).sum())  # the twin keeps all on the device
         seen.append(device_pages)
 
-    tokens, same = _run_together(eng, prompt, [spec, twin], 24, check)
-    assert len(seen) >= 20
+    tokens, same = _run_together(eng, prompt, [spec, twin], 20, check)
+    assert len(seen) >= 16
     assert eng.pool.num_used == base and eng.pool.host.num_used == 0  # all freed at the end
     assert tokens == same
 
@@ -165,7 +165,7 @@ def test_offload_keeps_device_pages_within_budget(smol_engine, prompt):
 def test_offloaded_session_snapshots_and_continues(smol_engine, prompt):
     eng = smol_engine
     P = eng.shape.page_size
-    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
     outs = {}
     for sid, use_host in (("off-host", True), ("off-dev", False)):
         spec = MethodSpec("offload", budget=3 * P, method_args={"n_sink": 16, "n_local": 16, "use_host": use_host})
