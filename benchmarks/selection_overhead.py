@@ -56,6 +56,7 @@ def run(engine: LLMEngine, spec: MethodSpec, batch: int, context: int, steps: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--random-weights", action="store_true", help="real shapes, random weights (a folder with config.json is enough)")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=16)
@@ -64,7 +65,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "selection_overhead.json"))
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, max_model_len=args.context + args.steps + 8,
-                                    prefill_chunk_size=512, cuda_graphs=False, async_decode=False))
+                                    prefill_chunk_size=512, cuda_graphs=False, async_decode=False),
+                       random_weights=args.random_weights)
     rows = []
     for name in args.methods.split(","):
         spec = MethodSpec(name) if name == "dense" else MethodSpec(name, budget=args.budget)

@@ -19,7 +19,7 @@ Parameters:
     n_recent = 256          recent tokens a streaming head keeps when no budget is given
     sparsity = 0.5          fraction of (layer, kv-head)s that stream
     pattern = "auto"        a head-pattern JSON file; auto: the shipped pattern whose model shape
-                            matches (engine/methods/duo_patterns/)
+                            matches (engine/methods/patterns/duo_attention-*.json)
     slack = 0               tokens a streaming head may grow past its budget before it is trimmed
 """
 
@@ -33,7 +33,7 @@ import torch
 
 from engine.lifecycle import DecodeBatch, MethodError, PrefillChunk, SparseMethod, recent_and_sink
 
-PATTERN_DIR = Path(__file__).parent / "duo_patterns"
+PATTERN_DIR = Path(__file__).parent / "patterns"
 
 
 @dataclass
@@ -49,7 +49,7 @@ def load_pattern(pattern: str, num_layers: int, num_kv_heads: int, head_dim: int
     """A head pattern (``scores`` ``[L][H]``) from a file, or the shipped one matching the shape."""
     shape = (num_layers, num_kv_heads, head_dim)
     if pattern == "auto":
-        for path in sorted(PATTERN_DIR.glob("*.json")):
+        for path in sorted(PATTERN_DIR.glob("duo_attention-*.json")):
             data = json.loads(path.read_text())
             if (data["num_layers"], data["num_kv_heads"], data["head_dim"]) == shape:
                 return data

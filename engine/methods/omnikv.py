@@ -15,7 +15,7 @@ Decode probabilities are computed only at the filter layers.
 
 Parameters:
     budget / budget_ratio   tokens the layers after a filter layer read per step; required
-    filter_layers = 2,8,18  the filter layers (those past the model's depth are ignored)
+    filter_layers = "2,8,18"  the filter layers, comma-separated (those past the model's depth are ignored)
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from engine.lifecycle import DecodeBatch, MethodError, Selection, SparseMethod
 
 @dataclass
 class OmniKVParams:
-    filter_layers: tuple = (2, 8, 18)
+    filter_layers: str = "2,8,18"
+    """Comma-separated layer indices (a list of ints is accepted too)."""
 
 
 class OmniKV(SparseMethod):
@@ -40,7 +41,11 @@ class OmniKV(SparseMethod):
 
     def __init__(self, spec, shape):
         super().__init__(spec, shape)
-        layers = sorted({int(x) for x in self.params.filter_layers})
+        given = self.params.filter_layers
+        try:
+            layers = sorted({int(x) for x in (given.split(",") if isinstance(given, str) else given) if str(x).strip()})
+        except ValueError:
+            raise MethodError(f"omnikv.filter_layers expects layer indices like 2,8,18, not {given!r}") from None
         if any(x < 0 for x in layers):
             raise MethodError("omnikv.filter_layers must be layer indices >= 0")
         self.filters = [x for x in layers if x < shape.num_layers]

@@ -1,9 +1,9 @@
 """Page-level key summaries and top-k page selection, shared by the query-aware methods (quest, offload).
 
 ``PageSummaries`` keeps, per (sequence, layer), one vector per (kv-head, page) that reduces the
-page's keys element-wise (``amin``, ``amax`` or ``sum``). It is updated as pages fill: by the
-keys of each prefill chunk and of each decode step. When what it covers no longer matches the
-cache (a session resumed from a snapshot, a prefix pruned, an unexpected jump) it rebuilds from the
+page's keys element-wise (``amin``, ``amax`` or ``sum``). It is updated as pages fill: each decode
+step folds the step's key into its page; after a prefill chunk, or when what it covers no longer
+matches the cache (a session resumed from a snapshot, a prefix pruned), it is rebuilt from the
 cache itself, so it is derived state and never needs to be snapshotted.
 
 ``select_pages`` turns per-page scores into the page lists attention reads: the first ``n_sink``
@@ -46,22 +46,19 @@ class PageSummaries:
         layers = self._state.setdefault(seq_id, {})
         entry = layers.get(layer)
         n = 0 if new_k is None else new_k.shape[0]
-        if entry is None or new_k is None or not bool((entry["covered"] == lengths - n).all()):
+        if entry is None or n != 1 or not bool((entry["covered"] == lengths - 1).all()):
+            # a prefill chunk, a first sight or a cache that changed under us: from the cache itself
             entry = layers[layer] = self._rebuild(seq_id, layer, cache)
-        elif n:
+        else:  # a decode step: fold the new key into its page (one page per head, no repeats)
             self._grow(entry, num_pages)
             H = lengths.numel()
             dev = new_k.device
-            cap = entry[self.reductions[0]].shape[1]
-            idx = entry["covered"][None, :] + torch.arange(n)[:, None]  # [n, H] physical index of each new key
-            flat = (torch.arange(H)[None, :] * cap + idx // P).reshape(-1).to(dev)
-            src = new_k.reshape(n * H, -1).float()
+            heads = torch.arange(H, device=dev)
+            page = (entry["covered"] // P).to(dev)
+            key = new_k[0].float()
             for r in self.reductions:
-                buf = entry[r].view(H * cap, -1)
-                if r == "sum":
-                    buf.index_add_(0, flat, src)
-                else:
-                    buf.scatter_reduce_(0, flat[:, None].expand_as(src), src, r, include_self=True)
+                cur = entry[r][heads, page]
+                entry[r][heads, page] = torch.maximum(cur, key) if r == "amax" else torch.minimum(cur, key) if r == "amin" else cur + key
             entry["covered"] = lengths.clone()
         return {r: entry[r][:, :num_pages] for r in self.reductions}
 
