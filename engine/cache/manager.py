@@ -118,6 +118,12 @@ class CacheManager:
     def num_pages(self, seq_id: Hashable) -> int:
         return int(self.pages_per_head(seq_id).sum())
 
+    def kv_bytes(self, seq_id: Hashable) -> int:
+        """Bytes of pool storage a sequence's pages hold, by the pool's accounting (shared pages
+        counted in full): page storage plus the full-precision staging of its open pages."""
+        pages = self.tables[self.slot(seq_id)]
+        return self.pool.bytes_of(pages[pages >= 0])
+
     def pages_for_append(self, seq_ids: Sequence[Hashable], counts: Sequence[int]) -> int:
         """Pages that appending ``counts[i]`` tokens to every head of ``seq_ids[i]`` would take."""
         return int(self.pages_for_append_each(seq_ids, counts).sum()) if seq_ids else 0
@@ -281,7 +287,7 @@ class CacheManager:
             raise OutOfPages(f"compaction needs {need} copy-on-write pages, {self.pool.num_free} free")
         dev = self.device
         src_d = src_m.to(dev)
-        moved_kv = [buf.view(-1, buf.shape[-1])[src_d] for buf in (self.pool.k, self.pool.v)]
+        moved_kv = self.pool.format.take_tokens(src_d)
         moved_pos = self.pool.pos.view(-1)[src_d]
         self.pool.decref(table[tail])
         new_table = table.clone()
@@ -295,8 +301,7 @@ class CacheManager:
             self.pool.decref(old)
         if src_m.numel():
             dst_d = (new_table[w_row, w_col] * P + dst_jm % P).to(dev)
-            for buf, data in zip((self.pool.k, self.pool.v), moved_kv):
-                buf.view(-1, buf.shape[-1])[dst_d] = data
+            self.pool.format.put_tokens(dst_d, moved_kv)
             self.pool.pos.view(-1)[dst_d] = moved_pos
 
         self.tables[slots, layer, heads, :maxp] = new_table.to(torch.int32)
@@ -352,8 +357,9 @@ class CacheManager:
         pages = self.tables_dev[s, layer, :, :npages].long().clamp(min=0)
         D = self.pool.head_dim
         H = self.num_kv_heads
-        k = self.pool.k[pages].reshape(H, npages * P, D)[:, :T]
-        v = self.pool.v[pages].reshape(H, npages * P, D)[:, :T]
+        k, v = self.pool.read_pages(pages)
+        k = k.reshape(H, npages * P, D)[:, :T]
+        v = v.reshape(H, npages * P, D)[:, :T]
         pos = self.pool.pos[pages].reshape(H, npages * P)[:, :T].clone()
         pos[torch.arange(T, device=pos.device)[None, :] >= lengths[:, None]] = -1
         return k, v, pos, lengths
@@ -367,13 +373,8 @@ class CacheManager:
         s = self.slot(seq_id)
         flat, lengths = self._flat_slots(s)
         flat_d = flat.to(self.device)
-        D = self.pool.head_dim
-        return KVSnapshot(
-            lengths=lengths.clone(),
-            k=self.pool.k.view(-1, D)[flat_d].cpu(),
-            v=self.pool.v.view(-1, D)[flat_d].cpu(),
-            pos=self.pool.pos.view(-1)[flat_d].cpu(),
-        )
+        k, v = self.pool.read_tokens(flat_d)  # dequantized for quantized formats
+        return KVSnapshot(lengths=lengths.clone(), k=k.cpu(), v=v.cpu(), pos=self.pool.pos.view(-1)[flat_d].cpu())
 
     def restore(self, seq_id: Hashable, snap: KVSnapshot) -> None:
         L, H = self.num_layers, self.num_kv_heads
@@ -397,7 +398,5 @@ class CacheManager:
             self.lengths_dev[s] = self.lengths[s].to(self.device)
         flat, _ = self._flat_slots(s)
         flat_d = flat.to(self.device)
-        D = self.pool.head_dim
-        self.pool.k.view(-1, D)[flat_d] = snap.k.to(self.device, self.pool.dtype)
-        self.pool.v.view(-1, D)[flat_d] = snap.v.to(self.device, self.pool.dtype)
+        self.pool.write_tokens(flat_d, snap.k.to(self.device, self.pool.dtype), snap.v.to(self.device, self.pool.dtype))
         self.pool.pos.view(-1)[flat_d] = snap.pos.to(self.device, torch.int32)

@@ -11,9 +11,11 @@ import sys
 
 from engine.lifecycle import MethodError, MethodSpec, ModelShape, SparseMethod
 from engine.methods.dense import Dense
+from engine.methods.fp8 import FP8
+from engine.methods.kivi import KIVI
 from engine.methods.streaming_llm import StreamingLLM
 
-REGISTRY: dict[str, type[SparseMethod]] = {cls.name: cls for cls in (Dense, StreamingLLM)}
+REGISTRY: dict[str, type[SparseMethod]] = {cls.name: cls for cls in (Dense, StreamingLLM, KIVI, FP8)}
 
 
 def get_method_class(name: str) -> type[SparseMethod]:
