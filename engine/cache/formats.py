@@ -12,7 +12,7 @@ Formats:
 ``plain``  K and V ``[num_pages, page_size, head_dim]`` in the model dtype. The Triton kernels and
            CUDA graphs read these tensors directly (``plain = True``).
 ``fp8``    K and V as float8 codes (e4m3 or e5m2) ``[num_pages, page_size, head_dim]`` with one
-           float32 scale per token and kv-head (absmax / the format's largest value). Every
+           float16 scale per token and kv-head (absmax / the format's largest value). Every
            token is self-contained, so token moves are exact.
 ``kivi``   KIVI: keys quantized per channel over the tokens of one page (the page is the
            quantization group), values per token in groups of ``value_group`` channels, both
@@ -168,7 +168,8 @@ _FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 class FP8Format(KVFormat):
     """Float8 codes, stored as uint8 (indexing float8 tensors is not implemented everywhere)
-    and viewed as float8 to convert, with a float32 absmax scale per token and kv-head."""
+    and viewed as float8 to convert, with a float16 absmax scale per token and kv-head (the codes are
+    computed with the rounded scale, so what is stored is what is read)."""
 
     name = "fp8"
 
@@ -184,24 +185,24 @@ class FP8Format(KVFormat):
         P, D = self.page_size, self.head_dim
         self.kq = torch.zeros(num_pages, P, D, dtype=torch.uint8, device=device)
         self.vq = torch.zeros(num_pages, P, D, dtype=torch.uint8, device=device)
-        self.ks = torch.zeros(num_pages, P, dtype=torch.float32, device=device)
-        self.vs = torch.zeros(num_pages, P, dtype=torch.float32, device=device)
+        self.ks = torch.zeros(num_pages, P, dtype=torch.float16, device=device)
+        self.vs = torch.zeros(num_pages, P, dtype=torch.float16, device=device)
 
     @property
     def bytes_per_page(self) -> int:
-        return 2 * self.page_size * self.head_dim + 2 * self.page_size * 4
+        return 2 * self.page_size * self.head_dim + 2 * self.page_size * 2
 
     def _tensors(self):
         return [self.kq, self.vq, self.ks, self.vs]
 
     def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.float()
-        scale = (x.abs().amax(-1) / self.max_code).clamp(min=1e-12)
-        codes = (x / scale[..., None]).clamp(-self.max_code, self.max_code).to(self.code_dtype).view(torch.uint8)
+        scale = (x.abs().amax(-1) / self.max_code).clamp(min=2**-24).half()  # the smallest float16 > 0
+        codes = (x / scale.float()[..., None]).clamp(-self.max_code, self.max_code).to(self.code_dtype).view(torch.uint8)
         return codes, scale
 
     def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return (codes.view(self.code_dtype).float() * scale[..., None]).to(self.dtype)
+        return (codes.view(self.code_dtype).float() * scale.float()[..., None]).to(self.dtype)
 
     def write(self, slots, k, v):
         D = self.head_dim
