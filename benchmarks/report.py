@@ -63,6 +63,22 @@ def kernel_section(d: dict) -> str:
     ])
 
 
+def quant_section(d: dict) -> str:
+    cols = [("method", "method"), ("prompt", "prompt"), ("agreement", "top-1 agreement"), ("kl_mean", "KL mean"),
+            ("kl_max", "KL max"), ("free_running_prefix", "identical prefix"), ("bytes_per_token", "B / cached token"),
+            ("x_bf16", "x bf16"), ("context_per_head", "tokens / head")]
+    return "\n\n".join([
+        "## KV quantization quality and memory (kivi, fp8)",
+        f"`benchmarks/quant_quality.py` on {d['device']} ({d['dtype']}), {d['model']}, {d['tokens']} greedy tokens, "
+        f"page size {d['page_size']}. Each quantized engine decodes the dense engine's tokens (teacher forcing), so "
+        "every position compares the same context; `identical prefix` is how many tokens free-running generation "
+        "shares with dense. Bytes per cached token (per layer and kv-head) come from the pool's accounting of the "
+        "session's pages (codes, scales, zero points, positions, and a full-precision staging page for each open "
+        f"kivi page), against {d['bf16_bytes_per_token']:.0f} B for a bf16 plain page.",
+        table(d["rows"], cols),
+    ])
+
+
 def generic_section(name: str, d: dict) -> str:
     rows = d.get("rows") or d.get("results") or []
     if not rows or not isinstance(rows, list) or not isinstance(rows[0], dict):
@@ -217,6 +233,7 @@ RENDERERS = {
     "selection_overhead": selection_overhead_section,
     "quality_eviction": lambda d: quality_section(d, "eviction methods"),
     "quality_selection": lambda d: quality_section(d, "selection and quantization methods"),
+    "quant_quality": quant_section,
 }
 
 

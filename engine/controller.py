@@ -15,11 +15,20 @@ from typing import Any, Hashable, Mapping, Sequence
 import torch
 
 from engine.cache.manager import CacheManager
-from engine.lifecycle import (ChunkInfo, DecodeBatch, MethodSpec, ModelShape, PrefillChunk, Selection, SeqInfo, Span,
-                              SparseMethod)
+from engine.lifecycle import (ChunkInfo, DecodeBatch, MethodError, MethodSpec, ModelShape, PrefillChunk, Selection,
+                              SeqInfo, Span, SparseMethod)
 from engine.methods import create_method
 
 SeqId = Hashable
+
+
+def check_layout(method: SparseMethod, fmt) -> None:
+    """A method runs only on a pool whose page format is the layout it declares."""
+    want = method.kv_layout()
+    if (want.format, tuple(sorted(want.args))) != fmt.key:
+        raise MethodError(f"method {method.name!r} stores KV as {want.describe()} pages, but this engine's page pool "
+                          f"holds {fmt.describe()} pages (the pool's format follows the engine's configured method); "
+                          f"start an engine with this method to use it")
 
 
 def _overrides(method: SparseMethod, hook: str) -> bool:
@@ -42,7 +51,9 @@ class SparseController:
         """The (shared) instance of a spec's method; raises MethodError for a bad spec."""
         key = spec.key()
         if key not in self._instances:
-            self._instances[key] = create_method(spec, self.shape)
+            method = create_method(spec, self.shape)
+            check_layout(method, self.manager.pool.format)
+            self._instances[key] = method
         return self._instances[key]
 
     def admit(self, seq: SeqInfo, spec: MethodSpec) -> SparseMethod:

@@ -69,6 +69,19 @@ class ModelShape:
         return self.num_heads // self.num_kv_heads
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """How a method wants its KV pages stored: a page format of the cache layer
+    (engine/cache/formats.py) and its parameters. ``plain`` is the model dtype, unquantized."""
+
+    format: str = "plain"
+    args: tuple[tuple[str, Any], ...] = ()
+
+    def describe(self) -> str:
+        inner = ", ".join(f"{k}={v}" for k, v in self.args)
+        return f"{self.format}({inner})" if inner else self.format
+
+
 @dataclass
 class MethodSpec:
     """Which method a sequence uses, with its budget and parameters (same names as EngineConfig)."""
@@ -214,6 +227,11 @@ class SparseMethod:
     def kept_tokens(self, num_tokens: int) -> int:
         """Tokens per head this method holds, at most, once a context of ``num_tokens`` is compressed."""
         return num_tokens
+
+    def kv_layout(self) -> KVLayout:
+        """The page format this method's KV is stored in. The engine builds its page pool in the
+        layout of its configured method; a session whose method wants another layout is refused."""
+        return KVLayout()
 
     # --- lifecycle hooks (all optional) --------------------------------------------------------
     def on_admit(self, seq: SeqInfo) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from engine.attention.reference import ReferenceAttention
 from engine.chain import ChainCache, SessionError, Tier
+from engine.cache.formats import make_format
 from engine.cache.manager import CacheManager
 from engine.cache.pages import PagePool
 from engine.config import ConfigError, EngineConfig
@@ -94,15 +95,21 @@ class LLMEngine:
         self.shape = ModelShape(num_layers=mc.num_layers, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
                                 head_dim=mc.head_dim, page_size=config.page_size,
                                 rope_cos=self.model.rope_cos, rope_sin=self.model.rope_sin)
-        self.pool = PagePool(self._num_pages(), config.page_size, mc.head_dim, self.dtype, self.device)
         slots = config.max_cached_seqs or 4 * config.max_num_seqs
+        # the pool stores pages in the layout the configured method declares (plain, fp8, kivi, ...)
+        layout = get_method_class(config.method)(self.default_spec, self.shape).kv_layout()
+        fmt = make_format(layout.format, layout.args, config.page_size, mc.head_dim, self.dtype)
+        # formats with full-precision open pages (kivi) get one staging page per cached head
+        max_open = slots * mc.num_layers * mc.num_kv_heads + 1 if fmt.open_page_bytes else 0
+        self.pool = PagePool(self._num_pages(fmt, max_open), config.page_size, mc.head_dim, self.dtype, self.device,
+                             format=fmt, max_open_pages=max_open)
         self.manager = CacheManager(self.pool, mc.num_layers, mc.num_kv_heads, slots, self.max_model_len)
         self.controller = SparseController(self.shape, self.manager)
         self.controller.method_for(self.default_spec)  # a bad method setting fails here, not on the first request
         self.scheduler = Scheduler(config, self.manager, self.controller)
         self.backend = self._backend()
         graphs = None
-        if self.device.type == "cuda" and config.cuda_graphs and self.backend.name == "triton":
+        if self.device.type == "cuda" and config.cuda_graphs and self.backend.name == "triton" and fmt.plain:
             from engine.cuda_graphs import DecodeGraphs
 
             graphs = DecodeGraphs(self.model, self.manager, config.max_num_seqs, self.backend.num_sms)
@@ -121,18 +128,18 @@ class LLMEngine:
         """Engine-wide counters since start (stats() reports them)."""
 
     # --- setup ---------------------------------------------------------------------------------
-    def _num_pages(self) -> int:
+    def _num_pages(self, fmt, max_open: int) -> int:
         cfg, mc = self.config, self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        page_bytes = 2 * cfg.page_size * mc.head_dim * elem + cfg.page_size * 4
+        page_bytes = fmt.bytes_per_page + cfg.page_size * 4  # K/V storage + positions
+        staging = max_open * fmt.open_page_bytes  # full-precision open pages (kivi)
         if cfg.num_pages is not None:
             return cfg.num_pages
         if cfg.kv_cache_gb is not None or self.device.type != "cuda":
-            return int((cfg.kv_cache_gb or 2.0) * 2**30 // page_bytes)
+            return max(1, int(((cfg.kv_cache_gb or 2.0) * 2**30 - staging) // page_bytes))
         free, total = torch.cuda.mem_get_info(self.device)
         # keep room for activations: the largest prefill chunk's attention and the logits
         reserve = max(2 * 2**30, int(0.04 * total))
-        budget = int(total * cfg.gpu_memory_utilization) - (total - free) - reserve
+        budget = int(total * cfg.gpu_memory_utilization) - (total - free) - reserve - staging
         if budget < page_bytes * mc.num_layers * mc.num_kv_heads:
             raise ConfigError(f"too little GPU memory left for the KV pool ({budget / 2**30:.1f} GiB)")
         return budget // page_bytes

@@ -100,7 +100,11 @@ class PagedAttention:
         slots = torch.tensor([seg.slot])
         view = self._view(slots, slots.to(self.manager.device), layer, sel)
         qpos = self.positions[seg.offset : seg.offset + seg.length]
-        out, probs = self.backend.prefill(self.manager.pool, view, q, qpos, self.scale, probs_window=window)
+        # quantized pages: the chunk attends its own K/V in full precision (KIVI's prefill), the
+        # cached history dequantized
+        chunk_kv = None if self.manager.pool.format.plain else (k, v)
+        out, probs = self.backend.prefill(self.manager.pool, view, q, qpos, self.scale, probs_window=window,
+                                          chunk_kv=chunk_kv)
         if self.controller.wants_after_prefill(seg.seq_id):
             chunk = PrefillChunk(seq_id=seg.seq_id, layer=layer, start=seg.start, length=seg.length, is_last=seg.is_last,
                                  q=q, k=k, v=v, probs=probs, lengths=self.manager.lengths[seg.slot, layer].clone(),

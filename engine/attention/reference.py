@@ -15,23 +15,31 @@ from engine.cache.pages import PagePool
 from engine.cache.view import AttentionView
 
 
+def overlay_chunk(k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, chunk_kv: tuple) -> None:
+    """Write a prefill chunk's full-precision K/V ``[n, H, D]`` over the last ``n`` physical tokens
+    of each head in gathered ``k``, ``v`` ``[H, T, D]`` (the chunk was appended last)."""
+    kc, vc = chunk_kv
+    n, H, D = kc.shape
+    idx = (lengths.long()[:, None] - n + torch.arange(n, device=k.device)[None, :])[..., None].expand(H, n, D)
+    k.scatter_(1, idx, kc.permute(1, 0, 2).to(k.dtype))
+    v.scatter_(1, idx, vc.permute(1, 0, 2).to(v.dtype))
+
+
 class ReferenceAttention:
     name = "reference"
 
     def store_kv(self, pool: PagePool, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens' K/V (``[N, H, D]``) at flat pool indices ``slots`` (``[N, H]``)."""
-        D = pool.head_dim
-        idx = slots.reshape(-1)
-        pool.k.view(-1, D).index_copy_(0, idx, k.reshape(-1, D).to(pool.dtype))
-        pool.v.view(-1, D).index_copy_(0, idx, v.reshape(-1, D).to(pool.dtype))
+        pool.write_tokens(slots, k, v)
 
     @staticmethod
     def _gather(pool: PagePool, view: AttentionView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, H, NP = view.tables.shape
         pages = view.tables.long().clamp(min=0)
         T = NP * pool.page_size
-        k = pool.k[pages].reshape(B, H, T, pool.head_dim)
-        v = pool.v[pages].reshape(B, H, T, pool.head_dim)
+        k, v = pool.read_pages(pages)  # dequantized for quantized page formats
+        k = k.reshape(B, H, T, pool.head_dim)
+        v = v.reshape(B, H, T, pool.head_dim)
         pos = pool.pos[pages].reshape(B, H, T)
         return k, v, pos
 
@@ -50,8 +58,10 @@ class ReferenceAttention:
         return out, (probs.reshape(B, Hq, -1) if want_probs else None)
 
     def prefill(self, pool: PagePool, view: AttentionView, q: torch.Tensor, q_pos: torch.Tensor, scale: float,
-                probs_window: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                probs_window: int = 0, chunk_kv: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A chunk of one sequence (view of batch 1): q ``[n, Hq, D]`` at positions ``q_pos`` ``[n]``.
+        ``chunk_kv``: the chunk's own K/V ``[n, H, D]`` in full precision, read instead of their
+        stored (quantized) copies, as KIVI prefills.
 
         Returns out ``[n, Hq, D]`` and, if ``probs_window`` > 0, the probabilities of the chunk's
         last ``probs_window`` queries, ``[Hq, w, T]`` over the head's physical tokens.
@@ -61,6 +71,8 @@ class ReferenceAttention:
         G = Hq // H
         k, v, kpos = self._gather(pool, view)
         k, v, kpos = k[0], v[0], kpos[0]  # [H, T, D], [H, T]
+        if chunk_kv is not None:
+            overlay_chunk(k, v, view.lengths[0], chunk_kv)
         mask = view.readable()[0][:, None, :] & (kpos[:, None, :] <= q_pos.to(kpos.device)[None, :, None])  # [H, n, T]
         qh = q.view(n, H, G, D).permute(1, 2, 0, 3).float()  # [H, G, n, D]
         scores = torch.einsum("hgnd,htd->hgnt", qh, k.float()) * scale

@@ -231,6 +231,9 @@ class TritonPagedAttention:
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
     def store_kv(self, pool: PagePool, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if not pool.format.plain:  # quantized pages: the format quantizes (torch)
+            pool.write_tokens(slots, k, v)
+            return
         store_kv(pool.k, pool.v, slots.contiguous(), k.to(pool.dtype), v.to(pool.dtype))
 
     def decode(self, pool: PagePool, view: AttentionView, q: torch.Tensor, scale: float,
@@ -240,7 +243,9 @@ class TritonPagedAttention:
         P = pool.page_size
         rows = torch.arange(B, dtype=torch.int32, device=q.device)
         selected = count = None
-        if view.token_mask is not None:  # token-level selections go through the reference path
+        if view.token_mask is not None or not pool.format.plain:
+            # token-level selections, and quantized pages (dequantize, then attend), go through
+            # the reference path
             from engine.attention.reference import ReferenceAttention
 
             return ReferenceAttention().decode(pool, view, q, scale, want_probs)
@@ -263,15 +268,19 @@ class TritonPagedAttention:
         return out, probs
 
     def prefill(self, pool: PagePool, view: AttentionView, q: torch.Tensor, q_pos: torch.Tensor, scale: float,
-                probs_window: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                probs_window: int = 0, chunk_kv: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         n, Hq, D = q.shape
         H, NP = view.tables.shape[1], view.tables.shape[2]
         G = Hq // H
         P = pool.page_size
         pages = view.tables[0].long().clamp(min=0)  # [H, NP]
         T = NP * P
-        k = pool.k[pages].reshape(H, T, D)
-        v = pool.v[pages].reshape(H, T, D)
+        k, v = pool.read_pages(pages)  # dequantized for quantized page formats
+        k, v = k.reshape(H, T, D), v.reshape(H, T, D)
+        if chunk_kv is not None:  # the chunk's own K/V in full precision (quantized formats)
+            from engine.attention.reference import overlay_chunk
+
+            overlay_chunk(k, v, view.lengths[0], chunk_kv)
         kpos = pool.pos[pages].reshape(H, T)
         mask = view.readable()[0][:, None, :] & (kpos[:, None, :] <= q_pos[None, :, None])  # [H, n, T]
         qh = q.permute(1, 0, 2).reshape(H, G, n, D)

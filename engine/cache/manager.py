@@ -119,6 +119,12 @@ class CacheManager:
     def num_pages(self, seq_id: Hashable) -> int:
         return int(self.pages_per_head(seq_id).sum())
 
+    def kv_bytes(self, seq_id: Hashable) -> int:
+        """Bytes of pool storage a sequence's pages hold, by the pool's accounting (shared pages
+        counted in full): page storage plus the full-precision staging of its open pages."""
+        pages = self.tables[self.slot(seq_id)]
+        return self.pool.bytes_of(pages[pages >= 0])
+
     def pages_for_append(self, seq_ids: Sequence[Hashable], counts: Sequence[int]) -> int:
         """Pages that appending ``counts[i]`` tokens to every head of ``seq_ids[i]`` would take."""
         return int(self.pages_for_append_each(seq_ids, counts).sum()) if seq_ids else 0
@@ -284,7 +290,7 @@ class CacheManager:
             raise OutOfPages(f"compaction needs {need} copy-on-write pages, {self.pool.num_free} free")
         dev = self.device
         src_d = src_m.to(dev)
-        moved_kv = [buf.view(-1, buf.shape[-1])[src_d] for buf in (self.pool.k, self.pool.v)]
+        moved_kv = self.pool.format.take_tokens(src_d)
         moved_pos = self.pool.pos.view(-1)[src_d]
         self.pool.decref(table[tail])
         new_table = table.clone()
@@ -298,8 +304,7 @@ class CacheManager:
             self.pool.decref(old)
         if src_m.numel():
             dst_d = (new_table[w_row, w_col] * P + dst_jm % P).to(dev)
-            for buf, data in zip((self.pool.k, self.pool.v), moved_kv):
-                buf.view(-1, buf.shape[-1])[dst_d] = data
+            self.pool.format.put_tokens(dst_d, moved_kv)
             self.pool.pos.view(-1)[dst_d] = moved_pos
 
         self.tables[slots, layer, heads, :maxp] = new_table.to(torch.int32)
@@ -360,15 +365,16 @@ class CacheManager:
         pages = self.tables_dev[s, layer, :, :npages].long().clamp(min=0)
         D = self.pool.head_dim
         H = self.num_kv_heads
-        kp, vp, pp = self.pool.k[pages], self.pool.v[pages], self.pool.pos[pages]  # [H, npages, P(, D)]
+        k, v = self.pool.read_pages(pages)  # [H, npages, P, D], model dtype (quantized formats dequantize)
+        pp = self.pool.pos[pages]
         if self.num_host_pages(seq_id, layer):  # offloaded pages: read them from the host tier
             cold = (self.tables[s, layer, :, :npages] < 0) & (self.host_tables[s, layer, :, :npages] >= 0)
             h, p = cold.nonzero(as_tuple=True)
             hk, hv, hpos = self.pool.host.read(self.host_tables[s, layer, h, p].long(), self.device)
             hd, pd = h.to(self.device), p.to(self.device)
-            kp[hd, pd], vp[hd, pd], pp[hd, pd] = hk.to(kp.dtype), hv.to(vp.dtype), hpos
-        k = kp.reshape(H, npages * P, D)[:, :T]
-        v = vp.reshape(H, npages * P, D)[:, :T]
+            k[hd, pd], v[hd, pd], pp[hd, pd] = hk.to(k.dtype), hv.to(v.dtype), hpos
+        k = k.reshape(H, npages * P, D)[:, :T]
+        v = v.reshape(H, npages * P, D)[:, :T]
         pos = pp.reshape(H, npages * P)[:, :T].clone()
         pos[torch.arange(T, device=pos.device)[None, :] >= lengths[:, None]] = -1
         return k, v, pos, lengths
@@ -384,13 +390,8 @@ class CacheManager:
         if self._has_cold(s):  # offloaded pages are read from the host tier
             return self._snapshot_tiers(s, flat, lengths)
         flat_d = flat.to(self.device)
-        D = self.pool.head_dim
-        return KVSnapshot(
-            lengths=lengths.clone(),
-            k=self.pool.k.view(-1, D)[flat_d].cpu(),
-            v=self.pool.v.view(-1, D)[flat_d].cpu(),
-            pos=self.pool.pos.view(-1)[flat_d].cpu(),
-        )
+        k, v = self.pool.read_tokens(flat_d)  # dequantized for quantized formats
+        return KVSnapshot(lengths=lengths.clone(), k=k.cpu(), v=v.cpu(), pos=self.pool.pos.view(-1)[flat_d].cpu())
 
     def restore(self, seq_id: Hashable, snap: KVSnapshot) -> None:
         L, H = self.num_layers, self.num_kv_heads
@@ -414,9 +415,7 @@ class CacheManager:
             self.lengths_dev[s] = self.lengths[s].to(self.device)
         flat, _ = self._flat_slots(s)
         flat_d = flat.to(self.device)
-        D = self.pool.head_dim
-        self.pool.k.view(-1, D)[flat_d] = snap.k.to(self.device, self.pool.dtype)
-        self.pool.v.view(-1, D)[flat_d] = snap.v.to(self.device, self.pool.dtype)
+        self.pool.write_tokens(flat_d, snap.k.to(self.device, self.pool.dtype), snap.v.to(self.device, self.pool.dtype))
         self.pool.pos.view(-1)[flat_d] = snap.pos.to(self.device, torch.int32)
 
     # --- host tier (offload methods) ----------------------------------------------------------------
@@ -467,6 +466,8 @@ class CacheManager:
         n = gpu.numel()
         if not n:
             return 0
+        if not self.pool.format.plain:
+            raise OutOfPages(f"offloading needs plain pages; this pool stores {self.pool.format.describe()} pages")
         ht = self._host_tables()
         host = ht[s, layer, h, p].long()
         new = host < 0

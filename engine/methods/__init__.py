@@ -14,9 +14,11 @@ from engine.methods.adakv import AdaKV
 from engine.methods.dense import Dense
 from engine.methods.duo_attention import DuoAttention
 from engine.methods.expected_attention import ExpectedAttention
+from engine.methods.fp8 import FP8
 from engine.methods.h2o import H2O
 from engine.methods.infllm_offload import InfLLMOffload
 from engine.methods.keydiff import KeyDiff
+from engine.methods.kivi import KIVI
 from engine.methods.omnikv import OmniKV
 from engine.methods.pyramidkv import PyramidKV
 from engine.methods.quest import Quest
@@ -28,6 +30,7 @@ from engine.methods.tova import TOVA
 REGISTRY: dict[str, type[SparseMethod]] = {cls.name: cls for cls in (Dense, StreamingLLM)}
 REGISTRY.update({cls.name: cls for cls in (H2O, TOVA, SnapKV, PyramidKV, AdaKV, KeyDiff, ExpectedAttention, RKV)})  # eviction family
 REGISTRY.update({cls.name: cls for cls in (Quest, OmniKV, InfLLMOffload, DuoAttention)})  # selection, offload, head-level
+REGISTRY.update({cls.name: cls for cls in (KIVI, FP8)})  # quantized KV layouts
 
 
 def get_method_class(name: str) -> type[SparseMethod]:
