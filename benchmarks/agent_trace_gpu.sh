@@ -5,8 +5,10 @@
 #
 # 1. Here (once): copy SmolLM2's tokenizer files into the ignored folder benchmarks/.tokenizer/
 #      python benchmarks/agent_trace.py --prep-tokenizer benchmarks/.tokenizer
-# 2. On the device (the `run` tool), carrying that folder:
-#      run(command="bash benchmarks/agent_trace_gpu.sh", carry=["benchmarks/.tokenizer"],
+#    and have the grpc wheels in the ignored folder .whl/ (the device's grpcio is 1.84; the stubs
+#    need 1.85.1; benchmarks/gpu_checks.sh says how to download them).
+# 2. On the device (the `run` tool), carrying both folders:
+#      run(command="bash benchmarks/agent_trace_gpu.sh", carry=["benchmarks/.tokenizer", ".whl"],
 #          kind="nvidia-h200", timeout_s=600)
 #    It writes $OUT/agent_trace_gpu.json (and the log); copy the JSON into benchmarks/results/,
 #    then `python benchmarks/report.py`.
@@ -27,8 +29,12 @@ else
   trace=(--sessions 32 --turns 8 --concurrency 16 --system-words 1500 --tool-median 800 --tool-sigma 0.8
          --tool-max 6000 --output-tokens 64 --think-s 0.5)
 fi
+if [ -d .whl ]; then  # the device's grpcio is older than the stubs need: see benchmarks/gpu_checks.sh
+  python3 -m pip install -q --no-index --no-deps --find-links .whl grpcio==1.85.1 protobuf==7.35.1 \
+      grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 2>&1 | grep -v -i warning | tail -3 || true
+fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 benchmarks/agent_trace.py --random-weights llama-3.1-8b --tokenizer benchmarks/.tokenizer \
-    --device cuda --page-size 32 --max-model-len 32768 --max-num-seqs 64 --prefill-chunk-size 4096 \
+    --device cuda:0 --page-size 32 --max-model-len 32768 --max-num-seqs 64 --prefill-chunk-size 4096 \
     --max-num-batched-tokens 8192 --gpu-memory-utilization 0.9 --method-budget 1024 \
     --configs "$configs" "${trace[@]}" --out "$out/agent_trace_gpu.json" 2>&1 | tee "$out/agent_trace_gpu.log"
