@@ -83,7 +83,7 @@ class EngineLoop:
     # --- the thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self._loop()
+            self._steps()
         except BaseException as e:  # the thread itself broke: nothing may wait on it forever
             self._fail(e)
             with self._cv:
@@ -92,7 +92,7 @@ class EngineLoop:
             for *_, fut in commands:
                 self._resolve(fut, error=EngineFailed(f"the engine thread stopped: {e}"))
 
-    def _loop(self) -> None:
+    def _steps(self) -> None:
         eng = self.engine
         if eng.device.type == "cuda":  # kernels and CUDA graphs launch on the engine's device from this thread
             import torch
