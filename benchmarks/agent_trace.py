@@ -65,11 +65,11 @@ SYSTEM_HEAD = ("You are an autonomous research agent. Work step by step. Call on
 
 @dataclass
 class TraceParams:
-    sessions: int = 3
-    turns: int = 8
+    sessions: int = 2
+    turns: int = 6
     system_words: int = 300
     task_words: int = 40
-    tool_median: int = 300
+    tool_median: int = 250
     tool_sigma: float = 0.6
     tool_min: int = 16
     tool_max: int = 1200
@@ -296,7 +296,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="nochain,dense,snapkv,quest,dense+prune")
     ap.add_argument("--target", default=None, help="an existing sidecar (default: one in this process)")
-    ap.add_argument("--concurrency", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--method-budget", type=int, default=512, help="KV tokens per head of the sparse methods' sessions")
     ap.add_argument("--tool-prune-lag", type=int, default=1, help="+prune: drop tool spans at least this many turns old")
     ap.add_argument("--turn-timeout-s", type=float, default=600.0)
