@@ -52,7 +52,7 @@ N, B = 48, 16  # prompt tokens, budget per head
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_models):
     path, _ = tiny_models("llama")  # 3 layers, 4 query heads, 2 kv-heads, head_dim 16
-    return LLMEngine(EngineConfig(model=path, num_pages=4000, page_size=4, prefill_chunk_size=256))
+    return LLMEngine(EngineConfig(model=path, device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=256))
 
 
 def _spy(engine, spec):
@@ -127,7 +127,7 @@ def test_snapkv_rule(tiny_engine):
 
 def test_snapkv_window_spans_prefill_chunks(tiny_models):
     """Chunks of 20, 20 and 8 tokens: the 12-token window reaches back into the second chunk."""
-    engine = LLMEngine(EngineConfig(model=tiny_models("llama")[0], num_pages=4000, page_size=4, prefill_chunk_size=20))
+    engine = LLMEngine(EngineConfig(model=tiny_models("llama")[0], device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=20))
     w, kernel = 12, 3
     seen, kept = _run(engine, MethodSpec("snapkv", budget=B + 8, method_args={"window_size": w, "kernel_size": kernel}), 3)
     for layer, chunks in seen["chunks"].items():
@@ -264,11 +264,11 @@ def test_pages_freed_and_budgets_add_up():
     prompt = chat(engine, haystack(12) + " What color is item 3?")
     n, budget = len(prompt), 48
     L, H, P = engine.shape.num_layers, engine.shape.num_kv_heads, engine.config.page_size
-    names = [m for m in EVICTION if m != "streaming_llm"]
+    names = [m for m in EVICTION if m not in ("streaming_llm", "rkv")]  # rkv compresses while decoding only
+    specs = {m: MethodSpec(m, budget=budget, method_args={"window_size": 8} if m in ("snapkv", "pyramidkv") else {}) for m in names}
+    engine.controller.method_for(specs["adakv"]).inner.params.window_size = 8  # its scorer's window, as snapkv's
     free_before = engine.pool.num_free
-    ids = {m: engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True),
-                                 method=MethodSpec(m, budget=budget, method_args={"window_size": 8} if m in ("snapkv", "pyramidkv") else {}))
-           for m in names}
+    ids = {m: engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True), method=specs[m]) for m in names}
     engine.step()  # every prompt in, compressed, and its first token sampled
     held = 0
     for m, rid in ids.items():
