@@ -339,3 +339,23 @@ def test_help_lists_every_method_with_its_parameters():
         assert f"  {name} " in text
         for f in dataclasses.fields(cls.Params) if cls.Params else ():
             assert f"{f.name}={f.default}" in text, (name, f.name)
+
+
+def test_h2o_state_survives_a_snapshot(tiny_engine):
+    """A session's accumulated H2O scores go into its snapshot and come back with it."""
+    spec = MethodSpec("h2o", budget=B)
+    m = tiny_engine.controller.method_for(spec)
+    tiny_engine.add_turn("h2o-session", list(range(1, N + 1)), SamplingParams(max_tokens=2, ignore_eos=True), method=spec)
+    while tiny_engine.has_unfinished():
+        tiny_engine.step()
+    state = m.state_dict("h2o-session")
+    assert sorted(state) == [f"acc.{layer}" for layer in range(3)] and all(t.shape == (2, B) for t in state.values())
+    snap = tiny_engine.snapshot_session("h2o-session")
+    tiny_engine.end_session("h2o-session")
+    assert m.state_dict("h2o-session") == {}
+    tiny_engine.load_session(snap)
+    tiny_engine.add_turn("h2o-session", [5, 6, 7], SamplingParams(max_tokens=1), method=spec)  # restores, then runs
+    while tiny_engine.has_unfinished():
+        tiny_engine.step()
+    assert sorted(m.state_dict("h2o-session")) == sorted(state)
+    tiny_engine.end_session("h2o-session")
