@@ -52,7 +52,7 @@ N, B = 48, 16  # prompt tokens, budget per head
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_models):
     path, _ = tiny_models("llama")  # 3 layers, 4 query heads, 2 kv-heads, head_dim 16
-    return LLMEngine(EngineConfig(model=path, num_pages=4000, page_size=4, prefill_chunk_size=256))
+    return LLMEngine(EngineConfig(model=path, device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=256))
 
 
 def _spy(engine, spec):
@@ -127,7 +127,7 @@ def test_snapkv_rule(tiny_engine):
 
 def test_snapkv_window_spans_prefill_chunks(tiny_models):
     """Chunks of 20, 20 and 8 tokens: the 12-token window reaches back into the second chunk."""
-    engine = LLMEngine(EngineConfig(model=tiny_models("llama")[0], num_pages=4000, page_size=4, prefill_chunk_size=20))
+    engine = LLMEngine(EngineConfig(model=tiny_models("llama")[0], device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=20))
     w, kernel = 12, 3
     seen, kept = _run(engine, MethodSpec("snapkv", budget=B + 8, method_args={"window_size": w, "kernel_size": kernel}), 3)
     for layer, chunks in seen["chunks"].items():
@@ -264,11 +264,11 @@ def test_pages_freed_and_budgets_add_up():
     prompt = chat(engine, haystack(12) + " What color is item 3?")
     n, budget = len(prompt), 48
     L, H, P = engine.shape.num_layers, engine.shape.num_kv_heads, engine.config.page_size
-    names = [m for m in EVICTION if m != "streaming_llm"]
+    names = ["h2o", "tova", "snapkv", "pyramidkv", "adakv", "keydiff", "expected_attention"]  # rkv: decode-time only
+    specs = {m: MethodSpec(m, budget=budget, method_args={"window_size": 8} if m in ("snapkv", "pyramidkv") else {}) for m in names}
+    engine.controller.method_for(specs["adakv"]).inner.params.window_size = 8  # its scorer's window, as snapkv's
     free_before = engine.pool.num_free
-    ids = {m: engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True),
-                                 method=MethodSpec(m, budget=budget, method_args={"window_size": 8} if m in ("snapkv", "pyramidkv") else {}))
-           for m in names}
+    ids = {m: engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True), method=specs[m]) for m in names}
     engine.step()  # every prompt in, compressed, and its first token sampled
     held = 0
     for m, rid in ids.items():
@@ -339,3 +339,23 @@ def test_help_lists_every_method_with_its_parameters():
         assert f"  {name} " in text
         for f in dataclasses.fields(cls.Params) if cls.Params else ():
             assert f"{f.name}={f.default}" in text, (name, f.name)
+
+
+def test_h2o_state_survives_a_snapshot(tiny_engine):
+    """A session's accumulated H2O scores go into its snapshot and come back with it."""
+    spec = MethodSpec("h2o", budget=B)
+    m = tiny_engine.controller.method_for(spec)
+    tiny_engine.add_turn("h2o-session", list(range(1, N + 1)), SamplingParams(max_tokens=2, ignore_eos=True), method=spec)
+    while tiny_engine.has_unfinished():
+        tiny_engine.step()
+    state = m.state_dict("h2o-session")
+    assert sorted(state) == [f"acc.{layer}" for layer in range(3)] and all(t.shape == (2, B) for t in state.values())
+    snap = tiny_engine.snapshot_session("h2o-session")
+    tiny_engine.end_session("h2o-session")
+    assert m.state_dict("h2o-session") == {}
+    tiny_engine.load_session(snap)
+    tiny_engine.add_turn("h2o-session", [5, 6, 7], SamplingParams(max_tokens=1), method=spec)  # restores, then runs
+    while tiny_engine.has_unfinished():
+        tiny_engine.step()
+    assert sorted(m.state_dict("h2o-session")) == sorted(state)
+    tiny_engine.end_session("h2o-session")

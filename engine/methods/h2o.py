@@ -108,11 +108,13 @@ class H2O(ScoredEviction):
         return out
 
     def state_dict(self, seq_id):
-        return {"acc": {layer: acc.cpu() for (s, layer), acc in self._acc.items() if s == seq_id}}
+        """The accumulated scores, one ``[H, T]`` tensor per layer (``acc.<layer>``)."""
+        return {f"acc.{layer}": acc.cpu() for (s, layer), acc in self._acc.items() if s == seq_id}
 
     def load_state_dict(self, seq_id, state) -> None:
-        for layer, acc in (state.get("acc") or {}).items():
-            self._acc[(seq_id, int(layer))] = acc.to(self.shape.rope_cos.device if self.shape.rope_cos is not None else "cpu")
+        for name, acc in state.items():
+            if name.startswith("acc."):
+                self._acc[(seq_id, int(name[4:]))] = acc.float()
 
     def fork_state(self, seq_id, child_id) -> None:
         for (s, layer), acc in list(self._acc.items()):
