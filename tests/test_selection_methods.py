@@ -67,14 +67,14 @@ def test_quest_page_scores_are_the_formula():
     assert torch.allclose(page_scores(q, kmin, kmax), direct, atol=1e-5)
 
 
-def _small_cache(H=2, D=8, P=4, n=37, seed=0):
-    pool = PagePool(256, P, D, torch.float32, "cpu")
+def _small_cache(H=2, D=8, P=4, n=37, seed=0, device="cpu"):
+    pool = PagePool(256, P, D, torch.float32, device)
     mgr = CacheManager(pool, num_layers=1, num_kv_heads=H, max_seqs=2, max_len=256)
     gen = torch.Generator().manual_seed(seed)
     k, v = torch.randn(n, H, D, generator=gen), torch.randn(n, H, D, generator=gen)
     mgr.open("s")
     slots = mgr.append(["s"], [n], torch.arange(n))
-    ReferenceAttention().store_kv(pool, slots[0], k, v)
+    ReferenceAttention().store_kv(pool, slots[0], k.to(device), v.to(device))
     return pool, mgr, k, v, gen
 
 
@@ -123,6 +123,7 @@ def test_quest_selects_the_top_pages_and_attends_only_them():
 def _page_bounds_direct(mgr, seq_id, layer=0):
     """Every page's key min/max from the cache's physical keys, ``[H, NP, D]`` each (the rule)."""
     k, _, _, lengths = mgr.gather(seq_id, layer)
+    k, lengths = k.cpu(), lengths.cpu()
     H, T, D = k.shape
     P = mgr.page_size
     NP = -(-T // P)
@@ -137,21 +138,26 @@ def _page_bounds_direct(mgr, seq_id, layer=0):
 def _stored_bounds(quest, mgr, seq_id, layer=0):
     ids, lengths = mgr.page_table(seq_id, layer)
     lo, hi = quest.bounds(mgr).gather(ids[None])
-    return lo[0], hi[0], ids
+    return lo[0].cpu(), hi[0].cpu(), ids
 
 
-def test_quest_bounds_rebuild_when_the_cache_changes_under_them():
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quest_bounds_rebuild_when_the_cache_changes_under_them(device):
     H, D, P = 2, 8, 4
-    pool, mgr, k, v, gen = _small_cache(H=H, D=D, P=P, n=21)
+    pool, mgr, k, v, gen = _small_cache(H=H, D=D, P=P, n=21, device=device)
     shape = ModelShape(num_layers=1, num_heads=H, num_kv_heads=H, head_dim=D, page_size=P)
     quest = create_method(MethodSpec("quest", budget=8, method_args={"dense_layers": 0}), shape)
 
     def decode_one():
-        kn, vn = torch.randn(1, H, D, generator=gen), torch.randn(1, H, D, generator=gen)
+        kn, vn = torch.randn(1, H, D, generator=gen).to(device), torch.randn(1, H, D, generator=gen).to(device)
         slots = mgr.append(["s"], [1], torch.tensor([int(mgr.lengths[0, 0].max())]))
         ReferenceAttention().store_kv(pool, slots[0], kn, vn)
         batch = DecodeBatch(layer=0, seq_ids=["s"], num_tokens=[int(mgr.lengths[0, 0].max())],
-                            q=torch.randn(1, H, D, generator=gen), lengths=mgr.lengths[[0], 0], cache=mgr, k=kn)
+                            q=torch.randn(1, H, D, generator=gen).to(device), lengths=mgr.lengths[[0], 0], cache=mgr,
+                            k=kn)
         quest.decode_view(0, batch)
         lo, hi, ids = _stored_bounds(quest, mgr, "s")
         want_lo, want_hi = _page_bounds_direct(mgr, "s")
@@ -166,11 +172,12 @@ def test_quest_bounds_rebuild_when_the_cache_changes_under_them():
     decode_one()
 
 
-def test_quest_batched_selection_equals_the_rule_per_sequence():
+@pytest.mark.parametrize("device", DEVICES)
+def test_quest_batched_selection_equals_the_rule_per_sequence(device):
     """Several sequences of different lengths in one decode batch (one of them starting a new page,
     one prefilled in two chunks): each row's pages are those the rule picks for it alone."""
     H, Hq, D, P = 2, 4, 8, 4
-    pool = PagePool(256, P, D, torch.float32, "cpu")
+    pool = PagePool(256, P, D, torch.float32, device)
     mgr = CacheManager(pool, num_layers=2, num_kv_heads=H, max_seqs=4, max_len=128)
     shape = ModelShape(num_layers=2, num_heads=Hq, num_kv_heads=H, head_dim=D, page_size=P)
     budget_pages = 4
@@ -183,7 +190,7 @@ def test_quest_batched_selection_equals_the_rule_per_sequence():
         done = 0
         for m in chunks:
             slots = mgr.append([name], [m], torch.arange(done, done + m))
-            k, v = torch.randn(m, H, D, generator=gen), torch.randn(m, H, D, generator=gen)
+            k, v = torch.randn(m, H, D, generator=gen).to(device), torch.randn(m, H, D, generator=gen).to(device)
             for layer in range(2):
                 ReferenceAttention().store_kv(pool, slots[layer], k, v)
                 quest.after_prefill_chunk(layer, PrefillChunk(
@@ -194,16 +201,16 @@ def test_quest_batched_selection_equals_the_rule_per_sequence():
     slot_ids = torch.tensor([mgr.slot(s) for s in names])
     for step in range(3):
         slots = mgr.append(names, [1] * len(names), torch.tensor([seqs[s] + step for s in names]))
-        kn = torch.randn(len(names), H, D, generator=gen)
-        ReferenceAttention().store_kv(pool, slots[1], kn, torch.randn(len(names), H, D, generator=gen))
+        kn = torch.randn(len(names), H, D, generator=gen).to(device)
+        ReferenceAttention().store_kv(pool, slots[1], kn, torch.randn(len(names), H, D, generator=gen).to(device))
         q = torch.randn(len(names), Hq, D, generator=gen)
         lengths = mgr.lengths[slot_ids, 1]
         NP = -(-int(lengths.max()) // P)
-        tables, dev_lengths = mgr.view_tables(slot_ids, 1, NP)
-        batch = DecodeBatch(layer=1, seq_ids=names, num_tokens=[seqs[s] + step + 1 for s in names], q=q,
+        tables, dev_lengths = mgr.view_tables(slot_ids.to(device), 1, NP)
+        batch = DecodeBatch(layer=1, seq_ids=names, num_tokens=[seqs[s] + step + 1 for s in names], q=q.to(device),
                             lengths=lengths, cache=mgr, k=kn, tables=tables, device_lengths=dev_lengths)
         assert quest.decode_view(0, batch) is None  # a dense layer
-        sel = quest.decode_view(1, batch).selected_pages
+        sel = quest.decode_view(1, batch).selected_pages.cpu()
         for i, name in enumerate(names):
             lo, hi = _page_bounds_direct(mgr, name, layer=1)
             n_pages = lo.shape[1]
