@@ -35,8 +35,9 @@ class PageBounds:
         self.page_size = pool.page_size
         self.scratch = pool.num_pages
         shape = (pool.num_pages + 1, pool.head_dim)
-        self.lo = torch.zeros(shape, dtype=pool.dtype, device=pool.device)
-        self.hi = torch.zeros(shape, dtype=pool.dtype, device=pool.device)
+        with torch.inference_mode(False):  # created mid-step, written by hooks outside it too
+            self.lo = torch.zeros(shape, dtype=pool.dtype, device=pool.device)
+            self.hi = torch.zeros(shape, dtype=pool.dtype, device=pool.device)
         self._built: dict[Hashable, dict[int, int]] = {}
         """seq_id -> {layer: layout version its bounds were built at}."""
 

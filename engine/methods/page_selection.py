@@ -107,15 +107,14 @@ def select_pages(scores: torch.Tensor, lengths: torch.Tensor, page_size: int, k,
     p = torch.arange(NP, device=dev)
     must = (p < n_sink) | (p >= pages_of[..., None] - n_recent)
     inside = p < pages_of[..., None]
-    s = torch.where(must, torch.tensor(float("inf"), device=dev), scores.float())
-    s = torch.where(inside, s, torch.tensor(float("-inf"), device=dev))
-    s = torch.nan_to_num(s, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    s = torch.where(must, float("inf"), torch.nan_to_num(scores.float(), nan=float("-inf")))
+    s = torch.where(inside, s, float("-inf"))  # Python scalars: no host-to-device copies
     per_row = isinstance(k, torch.Tensor)
     width = min(int(k.max()) if per_row else k, NP)
     top = torch.topk(s, width, dim=-1)
     keep = top.values > float("-inf")
     if per_row:  # rows with a smaller k drop their lowest-ranked extras
         keep &= torch.arange(width, device=dev) < k.to(dev)[..., None, None]
-    chosen = torch.where(keep, top.indices, torch.full_like(top.indices, NP))
+    chosen = torch.where(keep, top.indices, NP)
     chosen = torch.sort(chosen, dim=-1).values  # in page order (a covering list reads like dense), -1 last
-    return torch.where(chosen < NP, chosen, torch.full_like(chosen, -1))
+    return torch.where(chosen < NP, chosen, -1)
