@@ -151,16 +151,17 @@ def test_quest_bounds_rebuild_when_the_cache_changes_under_them(device):
     shape = ModelShape(num_layers=1, num_heads=H, num_kv_heads=H, head_dim=D, page_size=P)
     quest = create_method(MethodSpec("quest", budget=8, method_args={"dense_layers": 0}), shape)
 
-    def decode_one():
+    def decode_one(seq="s"):
+        slot = mgr.slot(seq)
         kn, vn = torch.randn(1, H, D, generator=gen).to(device), torch.randn(1, H, D, generator=gen).to(device)
-        slots = mgr.append(["s"], [1], torch.tensor([int(mgr.lengths[0, 0].max())]))
+        slots = mgr.append([seq], [1], torch.tensor([int(mgr.lengths[slot, 0].max())]))
         ReferenceAttention().store_kv(pool, slots[0], kn, vn)
-        batch = DecodeBatch(layer=0, seq_ids=["s"], num_tokens=[int(mgr.lengths[0, 0].max())],
-                            q=torch.randn(1, H, D, generator=gen).to(device), lengths=mgr.lengths[[0], 0], cache=mgr,
+        batch = DecodeBatch(layer=0, seq_ids=[seq], num_tokens=[int(mgr.lengths[slot, 0].max())],
+                            q=torch.randn(1, H, D, generator=gen).to(device), lengths=mgr.lengths[[slot], 0], cache=mgr,
                             k=kn)
         quest.decode_view(0, batch)
-        lo, hi, ids = _stored_bounds(quest, mgr, "s")
-        want_lo, want_hi = _page_bounds_direct(mgr, "s")
+        lo, hi, ids = _stored_bounds(quest, mgr, seq)
+        want_lo, want_hi = _page_bounds_direct(mgr, seq)
         inside = torch.isfinite(want_lo[..., 0])
         assert torch.equal(lo[inside], want_lo[inside]) and torch.equal(hi[inside], want_hi[inside])
 
@@ -170,6 +171,17 @@ def test_quest_bounds_rebuild_when_the_cache_changes_under_them(device):
     mgr.evict("s", 0, [torch.tensor([0, 2, 3, 9, 10, 11, 12, 20, 21]), torch.arange(5, 22)])
     decode_one()
     decode_one()
+    # a fork shares the pages (its partly filled page is copied on write), then both go on
+    mgr.fork("s", "t")
+    decode_one("t")
+    decode_one("s")
+    # a snapshot restored into fresh pages (which held other keys before)
+    snap = mgr.snapshot("t")
+    mgr.release("t")
+    mgr.release("s")
+    mgr.restore("u", snap)
+    decode_one("u")
+    quest.release("u")
 
 
 @pytest.mark.parametrize("device", DEVICES)
