@@ -1,4 +1,4 @@
-"""Page-level key summaries and top-k page selection, shared by the query-aware methods (quest, offload).
+"""Page-level key summaries (offload) and top-k page selection (quest, offload).
 
 ``PageSummaries`` keeps, per (sequence, layer), one vector per (kv-head, page) that reduces the
 page's keys element-wise (``amin``, ``amax`` or ``sum``). It is updated as pages fill: each decode
@@ -7,7 +7,9 @@ matches the cache (a session resumed from a snapshot, a prefix pruned), it is re
 cache itself, so it is derived state and never needs to be snapshotted.
 
 ``select_pages`` turns per-page scores into the page lists attention reads: the first ``n_sink``
-and last ``n_recent`` pages of every head always, plus the best-scoring others up to ``k`` pages.
+and last ``n_recent`` pages of every head always, plus the best-scoring others up to ``k`` pages;
+it takes a whole decode batch at once. (Quest keeps its bounds by physical page instead:
+``page_bounds.PageBounds``.)
 """
 
 from __future__ import annotations
