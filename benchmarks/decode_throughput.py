@@ -2,10 +2,13 @@
 methods at their own largest batch and at matched concurrency.
 
 Random bf16 weights with real shapes (Llama-3.1-8B by default). Decode windows start from
-synthetically filled KV (the pool's pages hold random values; each sequence's cache has the
-size the method would leave, e.g. 2,048 tokens per head for a 2,048 budget) unless a row says
-``real_prefill``: those prefill a real prompt through the engine, let the method compress, then
-decode. Every ratio is taken inside this one run.
+synthetically filled KV (the pool's pages hold random values; each sequence's cache holds what the
+method itself says it keeps, ``SparseMethod.kept_tokens``: 2,048 tokens per head for an evicting
+method with a 2,048 budget, the whole context for quest, which evicts nothing and gains by reading
+fewer pages) unless a row says ``real_prefill``: those prefill a real prompt through the engine,
+let the method compress, then decode. Each method runs at its own largest batch (for quest that is
+dense's) and at batch 4 (matched concurrency); ``ratio_vs_dense_same_batch`` compares it with dense
+at the same batch. Every ratio is taken inside this one run.
 
     python benchmarks/decode_throughput.py --out benchmarks/results/decode_throughput.json
 """
@@ -241,9 +244,13 @@ def main() -> None:
             print(f"  {m}: not implemented in this checkout, skipped")
             continue
         spec = METHOD_SPECS[m](args.budget)
-        kv = adakv_lengths(engine, args.budget) if m == "adakv" else args.budget
-        B = max_batch(engine, args.budget, steps)
-        for batch in (B, 4):
+        kept = engine.controller.method_for(spec).kept_tokens(ctx - 1)  # what the method holds per head
+        kv = adakv_lengths(engine, kept).clamp(max=ctx - 1) if m == "adakv" else kept
+        B = max_batch(engine, kept, steps)
+        for batch in sorted({B, 4}, reverse=True):
+            if batch < 1 or batch > B:
+                print(f"  {m} batch {batch}: does not fit")
+                continue
             rows.append(synthetic_row(engine, m, spec, batch, ctx, kv, steps, bw))
             print(f"  {m} batch {batch}: {rows[-1]['step_ms']:.2f} ms/step, {rows[-1]['tokens_per_s']:.0f} tok/s")
     if not args.no_real_prefill:

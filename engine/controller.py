@@ -140,6 +140,11 @@ class SparseController:
         B, H = batch.lengths.shape
         dev = batch.q.device
         merged = Selection()
+        if len(parts) == 1 and len(parts[0][0]) == B and parts[0][1].token_mask is None:
+            sel = parts[0][1]  # one method for the whole batch: its selection as it is
+            if sel.selected_pages is not None:
+                sel.selected_pages = sel.selected_pages.to(dev, torch.int64)
+            return sel
         if any(sel.selected_pages is not None for _, sel in parts):
             # rows whose method selects no pages read them all: 0 .. max_pages-1
             width = self.manager.max_pages
@@ -230,4 +235,6 @@ def _rows(batch: DecodeBatch, rows: list[int]) -> DecodeBatch:
         cache=batch.cache,
         probs=None if batch.probs is None else batch.probs[dev_idx],
         k=None if batch.k is None else batch.k[dev_idx],
+        tables=None if batch.tables is None else batch.tables[dev_idx],
+        device_lengths=None if batch.device_lengths is None else batch.device_lengths[dev_idx],
     )

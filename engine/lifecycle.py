@@ -112,6 +112,13 @@ class KVReader(Protocol):
     def seq_lengths(self, seq_id: SeqId) -> torch.Tensor:
         """Physical tokens per (layer, kv-head), ``[L, H]`` (host)."""
 
+    def page_table(self, seq_id: SeqId, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's page ids ``[H, num_pages]`` (device, -1 = none) and lengths ``[H]`` (device)."""
+
+    def layout_versions(self, seq_ids: Sequence[SeqId], layer: int) -> list[int]:
+        """Numbers that change whenever a (sequence, layer)'s pages are rewritten other than by
+        appending: per-page state derived from the pool stays valid while they stay the same."""
+
 
 @dataclass
 class SeqInfo:
@@ -170,6 +177,10 @@ class DecodeBatch:
     """``[B, Hq, T]`` attention probabilities of this step (when ``needs_decode_probs_at(layer)``)."""
     k: torch.Tensor | None = None
     """``[B, H, D]`` the step's new keys (after RoPE), already in the cache at index ``lengths - 1``."""
+    tables: torch.Tensor | None = None
+    """``[B, H, NP]`` (device, int32) each head's page ids (-1 past its end), as attention reads them."""
+    device_lengths: torch.Tensor | None = None
+    """``[B, H]`` (device, int32): ``lengths`` without a host-to-device copy."""
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""GPU: quest and offload through the Triton decode kernel's sparse page lists; offload's pinned host tier."""
+"""GPU: quest and offload through the Triton decode kernel's sparse page lists; offload's pinned host tier.
+
+A small random-weight Llama (no checkpoint needed on the GPU machine), compared by token ids."""
 
 from __future__ import annotations
 
@@ -8,20 +10,36 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture(scope="module")
-def gpu_engine():
+RANDOM_LLAMA = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+                    num_key_value_heads=2, vocab_size=2048, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                    tie_word_embeddings=False)
+
+
+def random_llama_engine(model_dir, device: str = "cuda"):
+    """A small Llama with random weights (nothing to download or carry): greedy token ids are
+    deterministic, so methods are compared token for token."""
+    from transformers import LlamaConfig
+
     from engine.config import EngineConfig
     from engine.llm import LLMEngine
 
+    cfg = LlamaConfig(**RANDOM_LLAMA)
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(str(model_dir))
     # no CUDA graphs: every step goes through the same (eager) kernel, with or without page lists
-    return LLMEngine(EngineConfig(num_pages=20000, prefill_chunk_size=128, cuda_graphs=False, async_decode=False))
+    return LLMEngine(EngineConfig(model=str(model_dir), device=device, num_pages=20000, prefill_chunk_size=128,
+                                  max_model_len=2048, cuda_graphs=False, async_decode=False), random_weights=True)
+
+
+@pytest.fixture(scope="module")
+def gpu_engine(tmp_path_factory):
+    return random_llama_engine(tmp_path_factory.mktemp("random-llama"))
 
 
 @pytest.fixture(scope="module")
 def prompt(gpu_engine):
-    from tests.conftest import chat, haystack
-
-    return chat(gpu_engine, haystack(40) + " What color is item 17?")
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, RANDOM_LLAMA["vocab_size"], (600,), generator=gen).tolist()
 
 
 def _run(eng, prompt, specs, max_tokens=32):

@@ -67,14 +67,14 @@ def test_quest_page_scores_are_the_formula():
     assert torch.allclose(page_scores(q, kmin, kmax), direct, atol=1e-5)
 
 
-def _small_cache(H=2, D=8, P=4, n=37, seed=0):
-    pool = PagePool(256, P, D, torch.float32, "cpu")
+def _small_cache(H=2, D=8, P=4, n=37, seed=0, device="cpu"):
+    pool = PagePool(256, P, D, torch.float32, device)
     mgr = CacheManager(pool, num_layers=1, num_kv_heads=H, max_seqs=2, max_len=256)
     gen = torch.Generator().manual_seed(seed)
     k, v = torch.randn(n, H, D, generator=gen), torch.randn(n, H, D, generator=gen)
     mgr.open("s")
     slots = mgr.append(["s"], [n], torch.arange(n))
-    ReferenceAttention().store_kv(pool, slots[0], k, v)
+    ReferenceAttention().store_kv(pool, slots[0], k.to(device), v.to(device))
     return pool, mgr, k, v, gen
 
 
@@ -120,14 +120,117 @@ def test_quest_selects_the_top_pages_and_attends_only_them():
                 assert torch.allclose(out[0, h * 2 + g], w @ v[toks, h], atol=1e-5)
 
 
-def test_quest_summaries_rebuild_when_the_cache_changes_under_them():
+def _page_bounds_direct(mgr, seq_id, layer=0):
+    """Every page's key min/max from the cache's physical keys, ``[H, NP, D]`` each (the rule)."""
+    k, _, _, lengths = mgr.gather(seq_id, layer)
+    k, lengths = k.cpu(), lengths.cpu()
+    H, T, D = k.shape
+    P = mgr.page_size
+    NP = -(-T // P)
+    lo, hi = torch.full((H, NP, D), float("inf")), torch.full((H, NP, D), float("-inf"))
+    for h in range(H):
+        for p in range(-(-int(lengths[h]) // P)):
+            keys = k[h, p * P : min((p + 1) * P, int(lengths[h]))]
+            lo[h, p], hi[h, p] = keys.amin(0), keys.amax(0)
+    return lo, hi
+
+
+def _stored_bounds(quest, mgr, seq_id, layer=0):
+    ids, lengths = mgr.page_table(seq_id, layer)
+    lo, hi = quest.bounds(mgr).gather(ids[None])
+    return lo[0].cpu(), hi[0].cpu(), ids
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quest_bounds_rebuild_when_the_cache_changes_under_them(device):
     H, D, P = 2, 8, 4
-    pool, mgr, k, v, gen = _small_cache(H=H, D=D, P=P, n=21)
+    pool, mgr, k, v, gen = _small_cache(H=H, D=D, P=P, n=21, device=device)
     shape = ModelShape(num_layers=1, num_heads=H, num_kv_heads=H, head_dim=D, page_size=P)
     quest = create_method(MethodSpec("quest", budget=8, method_args={"dense_layers": 0}), shape)
-    # no prefill summaries at all (a resumed session): the first decode builds them from the cache
-    s = quest.summaries.update("s", 0, mgr.lengths[0, 0], None, mgr)
-    assert torch.equal(s["amax"][0, 1], k[4:8, 0].amax(0)) and torch.equal(s["amin"][1, 5], k[20:21, 1].amin(0))
+
+    def decode_one(seq="s"):
+        slot = mgr.slot(seq)
+        kn, vn = torch.randn(1, H, D, generator=gen).to(device), torch.randn(1, H, D, generator=gen).to(device)
+        slots = mgr.append([seq], [1], torch.tensor([int(mgr.lengths[slot, 0].max())]))
+        ReferenceAttention().store_kv(pool, slots[0], kn, vn)
+        batch = DecodeBatch(layer=0, seq_ids=[seq], num_tokens=[int(mgr.lengths[slot, 0].max())],
+                            q=torch.randn(1, H, D, generator=gen).to(device), lengths=mgr.lengths[[slot], 0], cache=mgr,
+                            k=kn)
+        quest.decode_view(0, batch)
+        lo, hi, ids = _stored_bounds(quest, mgr, seq)
+        want_lo, want_hi = _page_bounds_direct(mgr, seq)
+        inside = torch.isfinite(want_lo[..., 0])
+        assert torch.equal(lo[inside], want_lo[inside]) and torch.equal(hi[inside], want_hi[inside])
+
+    # no prefill bounds at all (a resumed session): the first decode builds them from the cache
+    decode_one()
+    # eviction compacts the heads (pruning, rollback): pages are rewritten in place, bounds follow
+    mgr.evict("s", 0, [torch.tensor([0, 2, 3, 9, 10, 11, 12, 20, 21]), torch.arange(5, 22)])
+    decode_one()
+    decode_one()
+    # a fork shares the pages (its partly filled page is copied on write), then both go on
+    mgr.fork("s", "t")
+    decode_one("t")
+    decode_one("s")
+    # a snapshot restored into fresh pages (which held other keys before)
+    snap = mgr.snapshot("t")
+    mgr.release("t")
+    mgr.release("s")
+    mgr.restore("u", snap)
+    decode_one("u")
+    quest.release("u")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quest_batched_selection_equals_the_rule_per_sequence(device):
+    """Several sequences of different lengths in one decode batch (one of them starting a new page,
+    one prefilled in two chunks): each row's pages are those the rule picks for it alone."""
+    H, Hq, D, P = 2, 4, 8, 4
+    pool = PagePool(256, P, D, torch.float32, device)
+    mgr = CacheManager(pool, num_layers=2, num_kv_heads=H, max_seqs=4, max_len=128)
+    shape = ModelShape(num_layers=2, num_heads=Hq, num_kv_heads=H, head_dim=D, page_size=P)
+    budget_pages = 4
+    quest = create_method(MethodSpec("quest", budget=budget_pages * P, method_args={"dense_layers": 1}), shape)
+    gen = torch.Generator().manual_seed(3)
+    seqs = {"a": 22, "b": 32, "c": 9}  # b's next token starts page 8; c has fewer pages than the budget
+    for name, n in seqs.items():
+        mgr.open(name)
+        chunks = [n] if name != "a" else [13, n - 13]
+        done = 0
+        for m in chunks:
+            slots = mgr.append([name], [m], torch.arange(done, done + m))
+            k, v = torch.randn(m, H, D, generator=gen).to(device), torch.randn(m, H, D, generator=gen).to(device)
+            for layer in range(2):
+                ReferenceAttention().store_kv(pool, slots[layer], k, v)
+                quest.after_prefill_chunk(layer, PrefillChunk(
+                    seq_id=name, layer=layer, start=done, length=m, is_last=m == chunks[-1], q=None, k=k, v=v,
+                    lengths=mgr.lengths[mgr.slot(name), layer].clone(), cache=mgr))
+            done += m
+    names = list(seqs)
+    slot_ids = torch.tensor([mgr.slot(s) for s in names])
+    for step in range(3):
+        slots = mgr.append(names, [1] * len(names), torch.tensor([seqs[s] + step for s in names]))
+        kn = torch.randn(len(names), H, D, generator=gen).to(device)
+        ReferenceAttention().store_kv(pool, slots[1], kn, torch.randn(len(names), H, D, generator=gen).to(device))
+        q = torch.randn(len(names), Hq, D, generator=gen)
+        lengths = mgr.lengths[slot_ids, 1]
+        NP = -(-int(lengths.max()) // P)
+        tables, dev_lengths = mgr.view_tables(slot_ids.to(device), 1, NP)
+        batch = DecodeBatch(layer=1, seq_ids=names, num_tokens=[seqs[s] + step + 1 for s in names], q=q.to(device),
+                            lengths=lengths, cache=mgr, k=kn, tables=tables, device_lengths=dev_lengths)
+        assert quest.decode_view(0, batch) is None  # a dense layer
+        sel = quest.decode_view(1, batch).selected_pages.cpu()
+        for i, name in enumerate(names):
+            lo, hi = _page_bounds_direct(mgr, name, layer=1)
+            n_pages = lo.shape[1]
+            score = page_scores(q[i], lo, hi)  # [H, n_pages]
+            for h in range(H):
+                middle = sorted(range(1, n_pages - 1), key=lambda p: -float(score[h, p]))
+                want = sorted({0, n_pages - 1, *middle[: budget_pages - 2]})
+                assert sorted(sel[i, h][sel[i, h] >= 0].tolist()) == want, (name, step, h)
 
 
 # --- 3. offload: GPU pages bounded, the host holds the rest, nothing lost ----------------------------------

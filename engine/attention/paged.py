@@ -84,10 +84,16 @@ class PagedAttention:
         return view
 
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        host_lengths = self.manager.lengths[self._decode_slots, layer]
+        view = self._view(self._decode_slots, self._decode_slots_dev, layer, None)
         batch = DecodeBatch(layer=layer, seq_ids=self.decode_ids, num_tokens=self.decode_num_tokens, q=q,
-                            lengths=self.manager.lengths[self._decode_slots, layer], cache=self.manager, k=k)
+                            lengths=host_lengths, cache=self.manager, k=k, tables=view.tables,
+                            device_lengths=view.lengths)
         sel = self.controller.decode_view(layer, self._groups, batch)
-        view = self._view(self._decode_slots, self._decode_slots_dev, layer, sel)
+        if sel is not None:
+            if sel.to_host is not None or self.manager.has_host_tier:  # tier moves changed the tables
+                view = self._view(self._decode_slots, self._decode_slots_dev, layer, None)
+            view.selected_pages, view.token_mask = sel.selected_pages, sel.token_mask
         out, probs = self.backend.decode(self.manager.pool, view, q, self.scale, want_probs=self._decode_probs and self.controller.decode_needs_probs_at(self._groups, layer))
         batch.probs = probs
         self.controller.after_decode(layer, self._groups, batch)

@@ -7,6 +7,11 @@ method has evicted. Within a head, physical order is the order tokens arrived; e
 the kept tokens stably into the head's first pages and returns the rest to the pool, so a head
 never holds more than one partly filled page.
 
+Every (slot, layer) carries a *layout version* (``layout_versions``): a number that changes whenever
+its pages are assigned or rewritten other than by appending (a new or forked sequence, a restored
+snapshot, eviction's compaction, host-tier moves). State a method derives per physical page (quest's
+key bounds) stays valid while the version it saw stays the same.
+
 The host copy of the tables and lengths is authoritative: the scheduler reads it without a device
 sync. On a GPU the manager writes every change to a device mirror too, which attention reads.
 """
@@ -69,6 +74,27 @@ class CacheManager:
         self._free_slots = list(range(max_seqs - 1, -1, -1))
         self._arange_l = torch.arange(num_layers)
         self._arange_h = torch.arange(num_kv_heads)
+        self._versions = torch.zeros(max_seqs, num_layers, dtype=torch.int64)
+        self._version_clock = 0
+
+    def _bump(self, slots, layer=None) -> None:
+        """A new layout version for ``slots`` (an int or a tensor) in ``layer`` (None: every layer)."""
+        self._version_clock += 1
+        if layer is None:
+            self._versions[slots] = self._version_clock
+        else:
+            self._versions[slots, layer] = self._version_clock
+
+    def layout_versions(self, seq_ids: Sequence[Hashable], layer: int) -> list[int]:
+        """The layout version of one layer of each sequence (see the module docstring)."""
+        return self._versions[[self.slot(s) for s in seq_ids], layer].tolist()
+
+    def page_table(self, seq_id: Hashable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's page ids ``[H, num_pages]`` (device, int64, -1 past a head's end or for a page
+        on the host tier) and its lengths ``[H]`` (device), ``num_pages`` from the longest head."""
+        s = self.slot(seq_id)
+        num_pages = max(1, int(ceil_div(int(self.lengths[s, layer].max()), self.page_size)))
+        return self.tables_dev[s, layer, :, :num_pages].long(), self.lengths_dev[s, layer]
 
     # --- sequences -----------------------------------------------------------------------------
     def open(self, seq_id: Hashable) -> int:
@@ -78,6 +104,7 @@ class CacheManager:
             raise OutOfPages(f"all {self.max_seqs} cache slots are taken")
         slot = self._free_slots.pop()
         self._slot_of[seq_id] = slot
+        self._bump(slot)
         return slot
 
     def has(self, seq_id: Hashable) -> bool:
@@ -309,6 +336,7 @@ class CacheManager:
 
         self.tables[slots, layer, heads, :maxp] = new_table.to(torch.int32)
         self.lengths[slots, layer, heads] = cnt.to(torch.int32)
+        self._bump(slots, layer)
         if self._mirrored:
             self.tables_dev[slots.to(dev), layer, heads.to(dev), :maxp] = new_table.to(dev, torch.int32)
             self.lengths_dev[slots.to(dev), layer, heads.to(dev)] = cnt.to(dev, torch.int32)
@@ -479,6 +507,7 @@ class CacheManager:
         self._set_pages(torch.full_like(h, s), torch.full_like(h, layer), h, p, torch.full_like(h, -1))
         self.pool.decref(gpu)
         self._cold[s, layer] += n
+        self._bump(s, layer)
         return n
 
     def fetch_pages(self, seq_id: Hashable, layer: int, page_lists: torch.Tensor) -> int:
@@ -503,6 +532,7 @@ class CacheManager:
         self.pool.k[d], self.pool.v[d], self.pool.pos[d] = k.to(self.pool.dtype), v.to(self.pool.dtype), pos
         self._set_pages(torch.full_like(h, s), torch.full_like(h, layer), h, p, ids)
         self._cold[s, layer] -= n
+        self._bump(s, layer)
         return n
 
     def recall(self, seq_id: Hashable, layer: int) -> None:

@@ -47,6 +47,16 @@ class PagePool:
         self._top = num_pages
         self.refcount = torch.zeros(num_pages, dtype=torch.int32)
         self._total_refs = 0  # sum of reference counts: more than the pages in use means some are shared
+        self._derived: dict[str, object] = {}
+
+    def derived(self, name: str, make):
+        """Per-page state that methods derive from the pages' contents and keep beside the pool
+        (quest's key bounds): built by ``make(pool)`` on first use, shared by every method instance
+        that asks for ``name``. It is not counted in the pool's size."""
+        store = self._derived.get(name)
+        if store is None:
+            store = self._derived[name] = make(self)
+        return store
 
     # --- accounting --------------------------------------------------------------------------
     @property

@@ -1,4 +1,4 @@
-"""Page-level key summaries and top-k page selection, shared by the query-aware methods (quest, offload).
+"""Page-level key summaries (offload) and top-k page selection (quest, offload).
 
 ``PageSummaries`` keeps, per (sequence, layer), one vector per (kv-head, page) that reduces the
 page's keys element-wise (``amin``, ``amax`` or ``sum``). It is updated as pages fill: each decode
@@ -7,7 +7,9 @@ matches the cache (a session resumed from a snapshot, a prefix pruned), it is re
 cache itself, so it is derived state and never needs to be snapshotted.
 
 ``select_pages`` turns per-page scores into the page lists attention reads: the first ``n_sink``
-and last ``n_recent`` pages of every head always, plus the best-scoring others up to ``k`` pages.
+and last ``n_recent`` pages of every head always, plus the best-scoring others up to ``k`` pages;
+it takes a whole decode batch at once. (Quest keeps its bounds by physical page instead:
+``page_bounds.PageBounds``.)
 """
 
 from __future__ import annotations
@@ -94,21 +96,27 @@ def page_counts(lengths: torch.Tensor, num_pages: int, page_size: int) -> torch.
     return (lengths.to(torch.int64)[:, None] - start).clamp(0, page_size)
 
 
-def select_pages(scores: torch.Tensor, lengths: torch.Tensor, page_size: int, k: int, n_sink: int,
+def select_pages(scores: torch.Tensor, lengths: torch.Tensor, page_size: int, k, n_sink: int,
                  n_recent: int) -> torch.Tensor:
-    """Page lists ``[H, min(k, num_pages)]`` (-1 = unused) from scores ``[H, num_pages]``: every
-    head's first ``n_sink`` and last ``n_recent`` pages, then its best-scoring pages up to ``k``
-    pages in all. A head with at most ``k`` pages reads all of them."""
-    H, NP = scores.shape
+    """Page lists ``[..., H, min(max k, num_pages)]`` (-1 = unused) from scores ``[..., H, num_pages]``
+    and lengths ``[..., H]`` (any leading batch dims): every head's first ``n_sink`` and last
+    ``n_recent`` pages, then its best-scoring pages up to ``k`` pages in all. ``k`` is an int or a
+    ``[...]`` tensor (one per row of the batch). A head with at most ``k`` pages reads all of them.
+    Batched and free of host syncs."""
+    NP = scores.shape[-1]
     dev = scores.device
-    pages_of = (lengths.to(dev).to(torch.int64) + page_size - 1) // page_size  # [H]
-    p = torch.arange(NP, device=dev)[None, :]
-    must = (p < n_sink) | (p >= pages_of[:, None] - n_recent)
-    inside = p < pages_of[:, None]
-    s = torch.where(must, torch.tensor(float("inf"), device=dev), scores.float())
-    s = torch.where(inside, s, torch.tensor(float("-inf"), device=dev))
-    s = torch.nan_to_num(s, nan=float("-inf"), posinf=float("inf"))
-    top = torch.topk(s, min(k, NP), dim=-1)
-    chosen = torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, NP))
+    pages_of = (lengths.to(dev).to(torch.int64) + page_size - 1) // page_size  # [..., H]
+    p = torch.arange(NP, device=dev)
+    must = (p < n_sink) | (p >= pages_of[..., None] - n_recent)
+    inside = p < pages_of[..., None]
+    s = torch.where(must, float("inf"), torch.nan_to_num(scores.float(), nan=float("-inf")))
+    s = torch.where(inside, s, float("-inf"))  # Python scalars: no host-to-device copies
+    per_row = isinstance(k, torch.Tensor)
+    width = min(int(k.max()) if per_row else k, NP)
+    top = torch.topk(s, width, dim=-1)
+    keep = top.values > float("-inf")
+    if per_row:  # rows with a smaller k drop their lowest-ranked extras
+        keep &= torch.arange(width, device=dev) < k.to(dev)[..., None, None]
+    chosen = torch.where(keep, top.indices, NP)
     chosen = torch.sort(chosen, dim=-1).values  # in page order (a covering list reads like dense), -1 last
-    return torch.where(chosen < NP, chosen, torch.full_like(chosen, -1))
+    return torch.where(chosen < NP, chosen, -1)

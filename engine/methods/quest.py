@@ -11,6 +11,11 @@ including the first ``n_sink_pages`` and the last ``n_recent_pages`` (the page b
 The first ``dense_layers`` layers attend densely, as in the paper. All KV stays in the cache: only
 what attention reads changes, so the selection adapts to every new query.
 
+Implementation: the bounds live beside the pool, by physical page id (``PageBounds``, whose
+docstring says how they stay right across forks, snapshots and compaction); a decode step scores
+every page of every row of the batch at once (a gather through the page tables and two batched
+matrix products) and picks each head's pages with one top-k, on the device, without host syncs.
+
 Parameters:
     budget / budget_ratio   tokens each head attends per decode step (rounded up to pages); required
     dense_layers = 2        leading layers that stay dense (the paper skips the first two)
@@ -25,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.lifecycle import DecodeBatch, MethodError, PrefillChunk, Selection, SparseMethod
-from engine.methods.page_selection import PageSummaries, select_pages
+from engine.methods.page_bounds import PageBounds
+from engine.methods.page_selection import select_pages
 
 
 @dataclass
@@ -36,13 +42,13 @@ class QuestParams:
 
 
 def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
-    """Quest's bound for queries ``q`` ``[Hq, D]`` against page summaries ``[H, NP, D]``: the largest
-    ``sum_d max(q_d M_d, q_d m_d)`` over each kv-head's query group, ``[H, NP]``. The sum splits
-    by the sign of ``q_d``: ``q+ . M + q- . m``, two matrix products."""
-    H = kmin.shape[0]
-    qg = q.float().view(H, -1, q.shape[-1])  # [H, G, D]
-    s = torch.einsum("hgd,hpd->hgp", qg.clamp(min=0), kmax) + torch.einsum("hgd,hpd->hgp", qg.clamp(max=0), kmin)
-    return s.amax(1)
+    """Quest's bound for queries ``q`` ``[..., Hq, D]`` against page bounds ``[..., H, NP, D]``: the
+    largest ``sum_d max(q_d M_d, q_d m_d)`` over each kv-head's query group, ``[..., H, NP]``. The
+    sum splits by the sign of ``q_d``: ``q+ . M + q- . m``, two (batched) matrix products."""
+    H = kmin.shape[-3]
+    qg = q.float().unflatten(-2, (H, -1))  # [..., H, G, D]
+    s = qg.clamp(min=0) @ kmax.float().transpose(-1, -2) + qg.clamp(max=0) @ kmin.float().transpose(-1, -2)
+    return s.amax(-2)
 
 
 class Quest(SparseMethod):
@@ -55,37 +61,48 @@ class Quest(SparseMethod):
         p = self.params
         if p.dense_layers < 0 or p.n_sink_pages < 0 or p.n_recent_pages < 1:
             raise MethodError("quest: dense_layers and n_sink_pages must be >= 0, n_recent_pages >= 1")
-        self.summaries = PageSummaries(("amin", "amax"), shape.page_size)
+        self._bounds: PageBounds | None = None
 
     def pages_for(self, num_tokens: int) -> int:
         p = self.params
         P = self.shape.page_size
         return max(-(-self.budget_for(num_tokens) // P), p.n_sink_pages + p.n_recent_pages)
 
+    def bounds(self, cache) -> PageBounds:
+        if self._bounds is None:
+            self._bounds = PageBounds.of(cache.pool)
+        return self._bounds
+
     def after_prefill_chunk(self, layer: int, chunk: PrefillChunk):
         if layer >= self.params.dense_layers:
-            self.summaries.update(chunk.seq_id, layer, chunk.lengths, chunk.k, chunk.cache)
+            first = int(chunk.lengths.min()) - chunk.length  # the chunk's first token (nothing is evicted)
+            self.bounds(chunk.cache).refresh(chunk.cache, chunk.seq_id, layer, max(first, 0) // self.shape.page_size)
         return None
 
     def decode_view(self, layer: int, batch: DecodeBatch) -> Selection | None:
         if layer < self.params.dense_layers:
             return None
         p = self.params
-        lists = []
-        for i, seq_id in enumerate(batch.seq_ids):
-            new_k = None if batch.k is None else batch.k[i : i + 1]
-            s = self.summaries.update(seq_id, layer, batch.lengths[i], new_k, batch.cache)
-            scores = page_scores(batch.q[i], s["amin"], s["amax"])
-            lists.append(select_pages(scores, batch.lengths[i], self.shape.page_size,
-                                      self.pages_for(batch.num_tokens[i]), p.n_sink_pages, p.n_recent_pages))
-        width = max(x.shape[-1] for x in lists)
-        out = torch.full((len(lists), lists[0].shape[0], width), -1, dtype=torch.int64, device=lists[0].device)
-        for i, x in enumerate(lists):
-            out[i, :, : x.shape[-1]] = x
-        return Selection(selected_pages=out)
-
-    def fork_state(self, seq_id, child_id) -> None:
-        self.summaries.fork(seq_id, child_id)
+        cache = batch.cache
+        bounds = self.bounds(cache)
+        bounds.ensure(cache, batch.seq_ids, layer)
+        tables, lengths = batch.tables, batch.device_lengths
+        if tables is None:  # a batch built by hand (tests): the same tables from the cache
+            tables, lengths = _tables(cache, batch.seq_ids, layer)
+        bounds.refresh_current(tables, lengths)
+        scores = page_scores(batch.q, *bounds.gather(tables))
+        ks = [self.pages_for(n) for n in batch.num_tokens]
+        k = ks[0] if len(set(ks)) == 1 else torch.tensor(ks, device=scores.device)
+        return Selection(selected_pages=select_pages(scores, lengths, self.shape.page_size, k,
+                                                     p.n_sink_pages, p.n_recent_pages))
 
     def release(self, seq_id) -> None:
-        self.summaries.release(seq_id)
+        if self._bounds is not None:
+            self._bounds.forget(seq_id)
+
+
+def _tables(cache, seq_ids, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = [cache.page_table(s, layer) for s in seq_ids]
+    NP = max(ids.shape[-1] for ids, _ in parts)
+    tables = torch.stack([torch.nn.functional.pad(ids, (0, NP - ids.shape[-1]), value=-1) for ids, _ in parts])
+    return tables, torch.stack([lengths for _, lengths in parts])
