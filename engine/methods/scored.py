@@ -87,6 +87,11 @@ class ScoredEviction(SparseMethod):
     needs_budget = True
 
     # --- the rule (subclasses) ---------------------------------------------------------------
+    def kept_tokens(self, num_tokens: int) -> int:
+        """Tokens per head right after compression: the budget (per-layer or per-head budgets,
+        pyramidkv and adakv, average to it)."""
+        return min(num_tokens, self.budget_for(num_tokens))
+
     def observe(self, layer: int, chunk: PrefillChunk) -> None:
         pass
 
