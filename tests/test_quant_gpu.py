@@ -69,7 +69,7 @@ def test_gpu_pool_memory_is_really_smaller(method, args, ratio):
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated(dev)
         fmt = make_format(name, a, 32, 128, torch.bfloat16)
-        pool = PagePool(20000, 32, 128, torch.bfloat16, dev, format=fmt, max_open_pages=256 * 8 + 1)
+        pool = PagePool(20000, 32, 128, torch.bfloat16, dev, format=fmt, max_open_pages=1025)  # 32 sequences x 32 layers
         torch.cuda.synchronize()
         return pool, torch.cuda.memory_allocated(dev) - before
 
