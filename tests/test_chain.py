@@ -14,7 +14,7 @@ from engine.lifecycle import MethodSpec
 from engine.llm import LLMEngine
 from engine.sampling import SamplingParams
 
-from conftest import haystack
+from tests.conftest import haystack
 
 L, H, P = 30, 3, 16
 GREEDY = SamplingParams(max_tokens=10)

@@ -12,7 +12,7 @@ from engine.lifecycle import MethodError, MethodSpec
 from engine.llm import LLMEngine, RequestError
 from engine.sampling import SamplingParams
 
-from conftest import chat, haystack
+from tests.conftest import chat, haystack
 
 QUESTIONS = [
     "Hi!",

@@ -19,7 +19,7 @@ from engine.llm import LLMEngine
 from engine.methods import REGISTRY
 from engine.sampling import SamplingParams
 
-from conftest import chat, haystack
+from tests.conftest import chat, haystack
 
 EVICTION = [n for n in REGISTRY if n not in ("dense",) and getattr(REGISTRY[n], "needs_budget", False)]
 

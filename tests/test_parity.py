@@ -9,7 +9,7 @@ from engine.config import EngineConfig
 from engine.llm import LLMEngine
 from engine.sampling import SamplingParams
 
-from conftest import chat, haystack
+from tests.conftest import chat, haystack
 
 
 def _check_logits(engine: LLMEngine, hf_model, prompt: list[int], n_decode: int = 20, tol: float = 1e-4):
