@@ -135,3 +135,21 @@ def test_pass_frees_pages_and_leaves_nothing(tiny):
     engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
+
+
+def test_chain_session_turns_reconstruct_the_whole_history(tiny):
+    """A session's second turn scores every cached token by reconstructing the whole history."""
+    engine, _ = tiny
+    spec = MethodSpec("kvzip", budget=B, method_args={"chunk_size": CHUNK})
+    m = engine.controller.method_for(spec)
+    seen = []
+    orig = m.scoring_pass
+    m.scoring_pass = lambda seq, ids, tok: (seen.append(list(ids)), orig(seq, ids, tok))[1]
+    sid = "kvzip-session"
+    for turn in (_prompt(), [5, 6, 7, 8, 9, 10, 11, 12]):
+        engine.add_turn(sid, turn, SamplingParams(max_tokens=4, ignore_eos=True), method=spec)
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.manager.seq_lengths(sid).eq(B + 3).all()  # the budget, then 3 decoded tokens cached
+    assert len(seen) == 2 and seen[1][: N] == _prompt() and len(seen[1]) == N + 4 + 8
+    engine.end_session(sid)
