@@ -106,11 +106,11 @@ class SparseController:
             self._evict(layer, [(chunk.seq_id, keep)])
 
     # --- scoring pass (after a turn's prefill) -----------------------------------------------------
+    def wants_scoring_pass(self, seq_id: SeqId) -> bool:
+        return _overrides(self._method_of[seq_id], "scoring_pass")
+
     def scoring_pass(self, seq_id: SeqId, num_tokens: int, token_ids, tokenizer) -> ScoringPass | None:
-        method = self._method_of[seq_id]
-        if not _overrides(method, "scoring_pass"):
-            return None
-        return method.scoring_pass(self._info(seq_id, num_tokens), token_ids, tokenizer)
+        return self._method_of[seq_id].scoring_pass(self._info(seq_id, num_tokens), token_ids, tokenizer)
 
     def observe_scoring(self, layer: int, chunk: PrefillChunk) -> None:
         self._method_of[chunk.seq_id].observe_scoring(layer, chunk)

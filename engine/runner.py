@@ -171,6 +171,8 @@ class ModelRunner:
         the cache and the pool's free pages end as they were before the pass. Returns whether a
         pass ran (False: the method asked for none, or the pool could not hold a segment)."""
         sid = seq.seq_id
+        if not self.controller.wants_scoring_pass(sid):
+            return False
         request = self.controller.scoring_pass(sid, seq.num_cached, seq.token_ids[: seq.num_cached], tokenizer)
         if request is None:
             return False
