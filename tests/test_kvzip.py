@@ -153,3 +153,21 @@ def test_chain_session_turns_reconstruct_the_whole_history(tiny):
         assert engine.manager.seq_lengths(sid).eq(B + 3).all()  # the budget, then 3 decoded tokens cached
     assert len(seen) == 2 and seen[1][: N] == _prompt() and len(seen[1]) == N + 4 + 8
     engine.end_session(sid)
+
+
+def test_pool_too_small_for_the_pass_keeps_everything(tiny_models, caplog):
+    """No room for a reconstruction segment: the pass is skipped (with a warning), nothing is
+    evicted, and the sequence carries on uncompressed."""
+    path, _ = tiny_models("llama")
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", num_pages=90, page_size=4, prefill_chunk_size=16,
+                                    max_num_batched_tokens=64))  # the context takes 72 pages, a segment 30
+    spec = MethodSpec("kvzip", budget=B, method_args={"chunk_size": CHUNK})
+    rid = engine.add_request(_prompt(), SamplingParams(max_tokens=2, ignore_eos=True), method=spec)
+    with caplog.at_level("WARNING", logger="engine.runner"):
+        while engine._seqs[rid].num_cached < N:
+            engine.step()
+    assert "scoring pass" in caplog.text
+    assert engine.manager.seq_lengths(rid).eq(N).all() and engine.controller.evicted_tokens == 0
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pool.num_free == 90
