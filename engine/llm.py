@@ -340,12 +340,12 @@ class LLMEngine:
         if not batch.empty:
             windows = {s.seq_id: c.queries for s in _seqs_of(batch) if (c := self.chains.chains.get(s.seq_id)) and c.queries}
             result = self.runner.execute(batch, windows)
-            for seq, _ in batch.prefill:
-                if seq.num_cached == seq.num_tokens:  # the turn's input is in: a method may score it
-                    self.runner.scoring_pass(seq, self.tokenizer, self.config.prefill_chunk_size)
             for seq in _seqs_of(batch):
                 if seq.prefix_boundary:
                     self.chains.after_step(seq)
+            for seq, _ in batch.prefill:  # after the prefix holders: they keep the whole prefix
+                if seq.num_cached == seq.num_tokens:  # the turn's input is in: a method may score it
+                    self.runner.scoring_pass(seq, self.tokenizer, self.config.prefill_chunk_size)
             for sid, rows in result.prompt_logits.items():
                 self._seqs[sid].prompt_logits.append(rows.cpu())
             tokens = sample(result.logits, [s.params for s in result.sampling], [s.generator for s in result.sampling])
