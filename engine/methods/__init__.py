@@ -29,9 +29,10 @@ from engine.methods.streaming_llm import StreamingLLM
 from engine.methods.tova import TOVA
 
 REGISTRY: dict[str, type[SparseMethod]] = {cls.name: cls for cls in (Dense, StreamingLLM)}
-REGISTRY.update({cls.name: cls for cls in (H2O, TOVA, SnapKV, PyramidKV, AdaKV, KeyDiff, ExpectedAttention, KVzip, RKV)})  # eviction family
+REGISTRY.update({cls.name: cls for cls in (H2O, TOVA, SnapKV, PyramidKV, AdaKV, KeyDiff, ExpectedAttention, RKV)})  # eviction family
 REGISTRY.update({cls.name: cls for cls in (Quest, OmniKV, InfLLMOffload, DuoAttention)})  # selection, offload, head-level
 REGISTRY.update({cls.name: cls for cls in (KIVI, FP8)})  # quantized KV layouts
+REGISTRY[KVzip.name] = KVzip  # eviction family, scored by an extra pass (last: batch order of the others unchanged)
 
 
 def get_method_class(name: str) -> type[SparseMethod]:
