@@ -15,8 +15,8 @@ from typing import Any, Hashable, Mapping, Sequence
 import torch
 
 from engine.cache.manager import CacheManager
-from engine.lifecycle import (ChunkInfo, DecodeBatch, MethodError, MethodSpec, ModelShape, PrefillChunk, Selection,
-                              SeqInfo, Span, SparseMethod)
+from engine.lifecycle import (ChunkInfo, DecodeBatch, MethodError, MethodSpec, ModelShape, PrefillChunk, ScoringPass,
+                              Selection, SeqInfo, Span, SparseMethod)
 from engine.methods import create_method
 
 SeqId = Hashable
@@ -104,6 +104,24 @@ class SparseController:
         keep = self._method_of[chunk.seq_id].after_prefill_chunk(layer, chunk)
         if keep is not None:
             self._evict(layer, [(chunk.seq_id, keep)])
+
+    # --- scoring pass (after a turn's prefill) -----------------------------------------------------
+    def wants_scoring_pass(self, seq_id: SeqId) -> bool:
+        return _overrides(self._method_of[seq_id], "scoring_pass")
+
+    def scoring_pass(self, seq_id: SeqId, num_tokens: int, token_ids, tokenizer) -> ScoringPass | None:
+        return self._method_of[seq_id].scoring_pass(self._info(seq_id, num_tokens), token_ids, tokenizer)
+
+    def observe_scoring(self, layer: int, chunk: PrefillChunk) -> None:
+        self._method_of[chunk.seq_id].observe_scoring(layer, chunk)
+
+    def after_scoring(self, seq_id: SeqId, num_tokens: int) -> None:
+        per_layer = self._method_of[seq_id].after_scoring(self._info(seq_id, num_tokens)) or {}
+        for layer, keep in per_layer.items():
+            self._evict(layer, [(seq_id, keep)])
+
+    def _info(self, seq_id: SeqId, num_tokens: int) -> SeqInfo:
+        return SeqInfo(seq_id, num_tokens, self._protected.get(seq_id, 0))
 
     # --- decode -----------------------------------------------------------------------------------
     def group(self, seq_ids: Sequence[SeqId]) -> list[tuple[SparseMethod, list[int]]]:

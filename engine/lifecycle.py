@@ -15,6 +15,10 @@ Hooks, in the order the engine calls them (see DESIGN.md):
 ``after_prefill_chunk(layer, chunk)``      keep-indices per kv-head after a chunk's attention
 ``decode_view(layer, batch)``              pages / tokens each head reads this decode step
 ``after_decode(layer, batch)``             keep-indices after a decode step (scores in batch)
+``scoring_pass(seq, token_ids, tokenizer)``  a turn's input is in: ask for an extra forward pass
+                                           over token ids whose attention the method reads
+``observe_scoring(layer, chunk)``          a chunk of that pass, with all its queries' probabilities
+``after_scoring(seq)``                     the pass is over (its KV is gone): keep-indices per layer
 ``on_turn_end(seq, spans)``                a turn finished: compress what it appended
 ``state_dict(seq)`` / ``load_state_dict``  snapshot / resume of the method's state
 ``fork_state(seq, child)``                 ForkSession: copy state to the child
@@ -26,6 +30,14 @@ computes them only then — ``prefill_probs_window(chunk) > 0`` asks for the pro
 chunk's last queries (an observation window), ``needs_decode_probs`` for those of decode steps.
 (DESIGN.md calls this ``needs_scores``; these two are its spelling here.) Methods that score from
 K/V alone (KeyDiff, Expected Attention) read the cache through :class:`KVReader` instead.
+
+Scoring passes (KVzip's context reconstruction): once the last prefill chunk of a turn has run,
+a method may return a :class:`ScoringPass` from ``scoring_pass``. The engine runs each of its
+segments as extra prefill of the same sequence (positions continuing the history, attending the
+whole cache and the segment itself, causally), hands every chunk of it to ``observe_scoring``
+with the probabilities of all its queries, and removes the segment's KV again before the next
+segment, so the pass leaves the cache and the pool as they were. Then ``after_scoring`` returns
+the method's keep decisions, applied like any other.
 
 Physical indices: within one (sequence, layer, kv-head), tokens sit in arrival order and eviction
 keeps that order, so index ``i`` is the i-th oldest token the head still holds. Their original
@@ -159,6 +171,17 @@ class PrefillChunk(ChunkInfo):
     lengths: torch.Tensor = None
     """``[H]`` (host): physical tokens per kv-head, the chunk included."""
     cache: KVReader = None
+    context_lengths: torch.Tensor | None = None
+    """``[H]`` (host), scoring-pass chunks only: physical tokens per kv-head before the pass (the
+    cached history the pass scores; the pass's own tokens follow them)."""
+
+
+@dataclass
+class ScoringPass:
+    """An extra forward pass a method asks for at the end of a turn's prefill (see the module
+    docstring). Each segment runs on its own after the cached history and is removed afterwards."""
+
+    segments: list[list[int]]
 
 
 @dataclass
@@ -268,6 +291,19 @@ class SparseMethod:
         (host) are the physical tokens per head once the step's token is in. A method that acts on
         decode only now and then answers False in between, so the step can run as a CUDA graph."""
         return True
+
+    def scoring_pass(self, seq: SeqInfo, token_ids: Sequence[int], tokenizer: Any) -> ScoringPass | None:
+        """The turn's input is in the cache (``token_ids``: the whole logical history, ``tokenizer``
+        the engine's or None): an extra pass to run over the cache, or None for none."""
+        return None
+
+    def observe_scoring(self, layer: int, chunk: PrefillChunk) -> None:
+        """A chunk of the scoring pass after its attention; ``chunk.probs`` ``[Hq, n, T]`` holds
+        every query of the chunk, ``chunk.context_lengths`` the history's physical tokens per head."""
+
+    def after_scoring(self, seq: SeqInfo) -> Mapping[int, Keep] | None:
+        """The scoring pass is over and its KV removed: keep decisions per layer (None: nothing)."""
+        return None
 
     def on_turn_end(self, seq: SeqInfo, spans: Sequence[Span]) -> Mapping[int, Keep] | None:
         """Keep decisions per layer for one sequence at the end of a turn (None: nothing)."""

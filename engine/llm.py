@@ -343,6 +343,9 @@ class LLMEngine:
             for seq in _seqs_of(batch):
                 if seq.prefix_boundary:
                     self.chains.after_step(seq)
+            for seq, _ in batch.prefill:  # after the prefix holders: they keep the whole prefix
+                if seq.num_cached == seq.num_tokens:  # the turn's input is in: a method may score it
+                    self.runner.scoring_pass(seq, self.tokenizer, self.config.prefill_chunk_size)
             for sid, rows in result.prompt_logits.items():
                 self._seqs[sid].prompt_logits.append(rows.cpu())
             tokens = sample(result.logits, [s.params for s in result.sampling], [s.generator for s in result.sampling])

@@ -9,6 +9,7 @@ sequences that asked for prompt logits.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,8 @@ from engine.controller import SparseController
 from engine.model.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -159,3 +162,45 @@ class ModelRunner:
 
         prompt_logits = {sid: logits[a:b] for sid, (a, b) in prompt_rows.items()}
         return StepResult(sampling=sampling, logits=logits[sample_rows], prompt_logits=prompt_logits)
+
+    @torch.inference_mode()
+    def scoring_pass(self, seq: Sequence, tokenizer, max_chunk: int) -> bool:
+        """Run the extra pass ``seq``'s method asks for once its turn's input is in the cache (see
+        engine/lifecycle.py), then apply the method's keep decisions. Each segment runs as prefill
+        chunks of at most ``max_chunk`` tokens after the history and is truncated away again, so
+        the cache and the pool's free pages end as they were before the pass. Returns whether a
+        pass ran (False: the method asked for none, or the pool could not hold a segment)."""
+        sid = seq.seq_id
+        if not self.controller.wants_scoring_pass(sid):
+            return False
+        request = self.controller.scoring_pass(sid, seq.num_cached, seq.token_ids[: seq.num_cached], tokenizer)
+        if request is None:
+            return False
+        context = self.manager.lengths[self.manager.slot(sid)].clone()  # [L, H]
+        longest = max((len(t) for t in request.segments), default=0)
+        if self.manager.pages_for_append([sid], [longest]) > self.manager.pool.num_free:
+            log.warning("scoring pass of %r skipped: the pool cannot hold %d more tokens", sid, longest)
+            self.controller.after_scoring(sid, seq.num_cached)  # the method saw nothing: it keeps all
+            return False
+        slot = self.manager.slot(sid)
+        for tokens in request.segments:
+            try:
+                for s in range(0, len(tokens), max_chunk):
+                    ids = tokens[s : s + max_chunk]
+                    start = seq.num_cached + s
+                    pos = torch.arange(start, start + len(ids))
+                    slot_mapping = self.manager.append([sid], [len(ids)], pos)
+                    seg = PrefillSegment(seq_id=sid, slot=slot, offset=0, length=len(ids), start=start, is_last=False,
+                                         context_lengths=context)
+                    pos_dev = pos.to(self.device)
+                    attend = PagedAttention(self.manager, self.controller, self.backend, self.scale, decode_ids=[],
+                                            decode_num_tokens=[], segments=[seg], slot_mapping=slot_mapping,
+                                            positions=pos_dev)
+                    input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+                    self.model(input_ids, pos_dev, attend, torch.tensor([len(ids) - 1], device=self.device))
+                    self.forward_passes += 1
+            finally:  # the segment's own tokens go: each head back to its history
+                for layer in range(context.shape[0]):
+                    self.manager.evict(sid, layer, [torch.arange(int(n)) for n in context[layer]])
+        self.controller.after_scoring(sid, seq.num_cached)
+        return True

@@ -34,6 +34,9 @@ class PrefillSegment:
     start: int
     """Logical position of the chunk's first token."""
     is_last: bool
+    context_lengths: torch.Tensor | None = None
+    """``[L, H]`` (host) for a chunk of a method's scoring pass (the physical tokens before the
+    pass): the backend returns every query's probabilities and the method observes them."""
 
 
 class PagedAttention:
@@ -101,7 +104,8 @@ class PagedAttention:
 
     def _prefill(self, layer: int, seg: PrefillSegment, q, k, v) -> torch.Tensor:
         info = ChunkInfo(seq_id=seg.seq_id, layer=layer, start=seg.start, length=seg.length, is_last=seg.is_last)
-        window = self.controller.prefill_probs_window(info)
+        scoring = seg.context_lengths is not None
+        window = seg.length if scoring else self.controller.prefill_probs_window(info)
         sel = self.controller.prefill_view(layer, info)
         slots = torch.tensor([seg.slot])
         view = self._view(slots, slots.to(self.manager.device), layer, sel)
@@ -111,7 +115,12 @@ class PagedAttention:
         chunk_kv = None if self.manager.pool.format.plain else (k, v)
         out, probs = self.backend.prefill(self.manager.pool, view, q, qpos, self.scale, probs_window=window,
                                           chunk_kv=chunk_kv)
-        if self.controller.wants_after_prefill(seg.seq_id):
+        if scoring:
+            chunk = PrefillChunk(seq_id=seg.seq_id, layer=layer, start=seg.start, length=seg.length, is_last=False,
+                                 q=q, k=k, v=v, probs=probs, lengths=self.manager.lengths[seg.slot, layer].clone(),
+                                 cache=self.manager, context_lengths=seg.context_lengths[layer])
+            self.controller.observe_scoring(layer, chunk)
+        elif self.controller.wants_after_prefill(seg.seq_id):
             chunk = PrefillChunk(seq_id=seg.seq_id, layer=layer, start=seg.start, length=seg.length, is_last=seg.is_last,
                                  q=q, k=k, v=v, probs=probs, lengths=self.manager.lengths[seg.slot, layer].clone(),
                                  cache=self.manager)

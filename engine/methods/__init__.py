@@ -19,6 +19,7 @@ from engine.methods.h2o import H2O
 from engine.methods.infllm_offload import InfLLMOffload
 from engine.methods.keydiff import KeyDiff
 from engine.methods.kivi import KIVI
+from engine.methods.kvzip import KVzip
 from engine.methods.omnikv import OmniKV
 from engine.methods.pyramidkv import PyramidKV
 from engine.methods.quest import Quest
@@ -31,6 +32,7 @@ REGISTRY: dict[str, type[SparseMethod]] = {cls.name: cls for cls in (Dense, Stre
 REGISTRY.update({cls.name: cls for cls in (H2O, TOVA, SnapKV, PyramidKV, AdaKV, KeyDiff, ExpectedAttention, RKV)})  # eviction family
 REGISTRY.update({cls.name: cls for cls in (Quest, OmniKV, InfLLMOffload, DuoAttention)})  # selection, offload, head-level
 REGISTRY.update({cls.name: cls for cls in (KIVI, FP8)})  # quantized KV layouts
+REGISTRY[KVzip.name] = KVzip  # eviction family, scored by an extra pass (last: batch order of the others unchanged)
 
 
 def get_method_class(name: str) -> type[SparseMethod]:
