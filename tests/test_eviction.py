@@ -300,9 +300,9 @@ def test_probabilities_only_when_asked(tiny_engine):
         calls.append(("decode", want_probs))
         return orig_decode(pool, view, q, scale, want_probs)
 
-    def prefill(pool, view, q, q_pos, scale, probs_window=0):
+    def prefill(pool, view, q, q_pos, scale, probs_window=0, **kw):
         calls.append(("prefill", probs_window))
-        return orig_prefill(pool, view, q, q_pos, scale, probs_window)
+        return orig_prefill(pool, view, q, q_pos, scale, probs_window, **kw)
 
     backend.decode, backend.prefill = decode, prefill
     try:
