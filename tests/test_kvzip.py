@@ -14,7 +14,7 @@ from engine.lifecycle import MethodSpec, ScoringPass
 from engine.llm import LLMEngine
 from engine.sampling import SamplingParams
 
-from conftest import chat, haystack
+from tests.conftest import chat, haystack
 
 
 def _always_score(engine, spec):
