@@ -168,7 +168,7 @@ def synthetic_row(engine, method: str, spec: MethodSpec | None, batch: int, ctx:
         engine.abort(r)
     return {"method": method, "batch": batch, "context": ctx, "budget": None if spec is None else spec.budget,
             "kv_tokens_per_head": int(torch.as_tensor(kv).float().mean()), "tokens_per_s": batch / step_ms * 1e3,
-            "step_ms": step_ms, "roofline_fraction": nbytes / (bw * step_ms * 1e-3), "kv": "synthetic",
+            "step_ms": step_ms, "bytes_per_step": nbytes, "roofline_fraction": nbytes / (bw * step_ms * 1e-3), "kv": "synthetic",
             "graph_steps": engine.runner.graph_steps}
 
 
@@ -203,7 +203,29 @@ def real_prefill_row(engine, method: str, spec: MethodSpec | None, batch: int, c
         engine.abort(r)
     return {"method": method, "batch": batch, "context": ctx, "budget": None if spec is None else spec.budget,
             "kv_tokens_per_head": round(kv_per_head), "tokens_per_s": batch / step_ms * 1e3, "step_ms": step_ms,
-            "roofline_fraction": nbytes / (bw * step_ms * 1e-3), "kv": "real_prefill", "prefill_s": prefill_s}
+            "bytes_per_step": nbytes, "roofline_fraction": nbytes / (bw * step_ms * 1e-3), "kv": "real_prefill",
+            "prefill_s": prefill_s}
+
+
+def finish(args, bw: float, dense_max: int, hf: dict, rows: list[dict], out: Path) -> dict:
+    """Ratios of every row so far, written to ``out`` (after each row: a run cut short keeps them).
+    ``roofline_ratio_same_batch`` is the ratio to dense at the same batch that the bytes alone allow:
+    what both would show if each step ran at the copy bandwidth."""
+    dense_rows = {r["batch"]: r for r in rows if r["method"] == "dense" and r["kv"] == "synthetic"}
+    best_dense = max(r["tokens_per_s"] for r in dense_rows.values())
+    for r in rows:
+        same = dense_rows.get(r["batch"])
+        r["ratio_vs_dense"] = r["tokens_per_s"] / best_dense  # vs our dense at its largest batch
+        r["ratio_vs_dense_same_batch"] = r["tokens_per_s"] / same["tokens_per_s"] if same else None
+        r["roofline_ratio_same_batch"] = same["bytes_per_step"] / r["bytes_per_step"] if same else None
+        r["hf_step_ms"] = hf.get(r["batch"])
+        r["ratio_vs_hf"] = (hf[r["batch"]] / r["step_ms"]) if r["batch"] in hf else None
+    result = {"device": torch.cuda.get_device_name(0), "shape": args.shape, "copy_bandwidth_tb_s": bw / 1e12,
+              "dense_largest_batch": dense_max, "hf_step_ms": hf, "rows": rows,
+              "note": "kv=synthetic rows decode from synthetically filled KV of the size the method leaves; "
+                      "kv=real_prefill rows prefill a real prompt and let the method compress"}
+    out.write_text(json.dumps(result, indent=1))
+    return result
 
 
 def main() -> None:
@@ -212,7 +234,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--methods", default="snapkv,quest,streaming_llm,adakv")
+    ap.add_argument("--methods", default="snapkv,streaming_llm,adakv,quest")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--no-real-prefill", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/decode_throughput.json")
@@ -229,6 +251,8 @@ def main() -> None:
     engine.pool.k.normal_()
     engine.pool.v.normal_()
     rows = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     dense_max = max_batch(engine, ctx, steps)
     print(f"pool {engine.pool.num_pages} pages of {engine.pool.bytes_per_page} B; dense fits {dense_max} at {ctx}")
     for B in sorted({1, 4, 8, 32, dense_max}):
@@ -236,6 +260,7 @@ def main() -> None:
             print(f"  dense batch {B}: does not fit")
             continue
         rows.append(synthetic_row(engine, "dense", None, B, ctx, ctx - 1, steps, bw))
+        finish(args, bw, dense_max, hf, rows, out)
         print(f"  dense batch {B}: {rows[-1]['step_ms']:.2f} ms/step, {rows[-1]['tokens_per_s']:.0f} tok/s, "
               f"roofline {rows[-1]['roofline_fraction']:.2f}")
     methods = [m for m in args.methods.split(",") if m]
@@ -252,29 +277,17 @@ def main() -> None:
                 print(f"  {m} batch {batch}: does not fit")
                 continue
             rows.append(synthetic_row(engine, m, spec, batch, ctx, kv, steps, bw))
+            finish(args, bw, dense_max, hf, rows, out)
             print(f"  {m} batch {batch}: {rows[-1]['step_ms']:.2f} ms/step, {rows[-1]['tokens_per_s']:.0f} tok/s")
     if not args.no_real_prefill:
         for m in ["dense"] + [m for m in methods if m in REGISTRY]:
             spec = None if m == "dense" else METHOD_SPECS[m](args.budget)
             rows.append(real_prefill_row(engine, m, spec, 1, ctx, steps, bw))
+            finish(args, bw, dense_max, hf, rows, out)
             print(f"  {m} real prefill: {rows[-1]['prefill_s']:.1f} s prefill, {rows[-1]['step_ms']:.2f} ms/step, "
                   f"kv/head {rows[-1]['kv_tokens_per_head']}")
 
-    dense_rows = {r["batch"]: r for r in rows if r["method"] == "dense" and r["kv"] == "synthetic"}
-    best_dense = max(r["tokens_per_s"] for r in dense_rows.values())
-    for r in rows:
-        same = dense_rows.get(r["batch"])
-        r["ratio_vs_dense"] = r["tokens_per_s"] / best_dense  # vs our dense at its largest batch
-        r["ratio_vs_dense_same_batch"] = r["tokens_per_s"] / same["tokens_per_s"] if same else None
-        r["hf_step_ms"] = hf.get(r["batch"])
-        r["ratio_vs_hf"] = (hf[r["batch"]] / r["step_ms"]) if r["batch"] in hf else None
-    result = {"device": torch.cuda.get_device_name(0), "shape": args.shape, "copy_bandwidth_tb_s": bw / 1e12,
-              "dense_largest_batch": dense_max, "hf_step_ms": hf, "rows": rows,
-              "note": "kv=synthetic rows decode from synthetically filled KV of the size the method leaves; "
-                      "kv=real_prefill rows prefill a real prompt and let the method compress"}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    result = finish(args, bw, dense_max, hf, rows, out)
     print(f"\n{'method':<14}{'batch':>6}{'kv':>13}{'tok/s':>10}{'ms':>8}{'roof':>6}{'x dense':>9}{'x same B':>9}{'x hf':>7}")
     for r in rows:
         hfr = f"{r['ratio_vs_hf']:.1f}" if r["ratio_vs_hf"] else "-"
