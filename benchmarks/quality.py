@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
     cfgs = configs(methods, budgets, json.loads(args.method_args))
     longest = max(args.context + 200, args.kl_context + args.continuation + 8)
-    engine = LLMEngine(EngineConfig(model=args.model, max_model_len=longest + 64, prefill_chunk_size=longest,
+    # twice the longest input: kvzip's scoring pass appends a repeat of the context to the cache
+    engine = LLMEngine(EngineConfig(model=args.model, max_model_len=2 * longest + 64, prefill_chunk_size=longest,
                                     max_num_batched_tokens=longest * 2, max_num_seqs=args.batch, kv_cache_gb=4.0))
     skip = set(args.skip.split(","))
     result = {"description": "benchmarks/quality.py: passkey retrieval (a) and teacher-forced agreement with dense (b), "
