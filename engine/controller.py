@@ -142,6 +142,19 @@ class SparseController:
                     return True
         return False
 
+    def graph_decode_method(self, seq_ids: Sequence[SeqId], lengths: torch.Tensor) -> tuple[bool, SparseMethod | None]:
+        """Can this decode step run as a CUDA graph, and with which method's selection inside it?
+        ``(True, None)``: no method acts this step; ``(True, m)``: every row uses ``m``, whose
+        ``decode_view`` a graph can capture; ``(False, None)``: the step runs eagerly."""
+        if not self.decode_hooks_due(seq_ids, lengths):
+            return True, None
+        groups = self.group(seq_ids)
+        if len(groups) == 1:
+            m = groups[0][0]
+            if m.graph_decode() and not m.needs_decode_probs and not _overrides(m, "after_decode"):
+                return True, m
+        return False, None
+
     def decode_needs_probs(self, groups) -> bool:
         return any(m.needs_decode_probs for m, _ in groups)
 

@@ -2,7 +2,9 @@
 
 A pure decode step whose methods need no per-layer hooks this step (dense, or an eviction method
 between its compressions) runs as one graph replay: embeddings, every layer's GEMMs, RoPE, the
-Triton KV store and paged decode kernels, the LM head. The kernels read the CacheManager's global
+Triton KV store and paged decode kernels, the LM head. A batch whose rows all use one method with
+a graph-capturable selection (``SparseMethod.graph_decode``, e.g. quest) replays a graph captured
+with that method's ``graph_decode_view`` in every layer: one graph per (batch bucket, method). The kernels read the CacheManager's global
 device tables through a static row index (``tables[:, layer]``), so nothing is gathered per step;
 the host only copies token ids, positions, rows and the slot mapping into static buffers. Rows
 past the real batch read an empty cache slot and write to a scratch page; their logits are
@@ -34,18 +36,28 @@ def default_buckets(max_batch: int) -> list[int]:
 class GraphDecodeAttention:
     """``attend`` for decode-only steps: static buffers in, no Python per token or per sequence."""
 
-    def __init__(self, manager: CacheManager, rows: torch.Tensor, slot_mapping: torch.Tensor, scale: float, splits: int):
+    def __init__(self, manager: CacheManager, rows: torch.Tensor, slot_mapping: torch.Tensor, scale: float, splits: int,
+                 method=None):
         self.manager = manager
         self.rows = rows  # [B] int32: cache slot of each batch row
         self.slot_mapping = slot_mapping  # [L, B, H] int64
         self.scale = scale
         self.splits = splits
+        self.method = method  # a SparseMethod whose graph_decode_view picks the pages, or None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         pool, mgr = self.manager.pool, self.manager
         store_kv(pool.k, pool.v, self.slot_mapping[layer], k, v)
-        out, _ = paged_decode(q, pool.k, pool.v, mgr.tables_dev[:, layer], mgr.lengths_dev[:, layer],
-                              self.rows, self.scale, splits=self.splits)
+        tables, lengths = mgr.tables_dev[:, layer], mgr.lengths_dev[:, layer]
+        selected = count = None
+        if self.method is not None:
+            rows = self.rows.long()
+            selected = self.method.graph_decode_view(layer, mgr, q, tables[rows], lengths[rows])
+            if selected is not None:
+                count = (selected >= 0).sum(-1, dtype=torch.int32)
+                selected = selected.to(torch.int32)
+        out, _ = paged_decode(q, pool.k, pool.v, tables, lengths, self.rows, self.scale, splits=self.splits,
+                              selected=selected, selected_count=count)
         return out
 
 
@@ -68,7 +80,8 @@ class DecodeGraphs:
         manager.open(PAD_SLOT)
         self.pad_row = manager.slot(PAD_SLOT)
         self.scratch = int(manager.pool.alloc(1)[0])
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        """(bucket, id of the selecting method or None) -> (graph, its logits buffer)."""
         self._pool = None
         self.replays = 0
 
@@ -76,11 +89,11 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.buckets, batch)
         return self.buckets[i] if i < len(self.buckets) else None
 
-    def _capture(self, B: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, B: int, method=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         H = self.manager.num_kv_heads
         P = self.manager.page_size
         splits = num_splits(B * H, self.manager.max_pages * P, self.num_sms, max(P, 64))
-        attend = GraphDecodeAttention(self.manager, self.rows[:B], self.slot_mapping[:, :B], self.scale, splits)
+        attend = GraphDecodeAttention(self.manager, self.rows[:B], self.slot_mapping[:, :B], self.scale, splits, method)
         self._fill_padding(0, B)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -103,13 +116,15 @@ class DecodeGraphs:
         self.slot_mapping[:, start:end] = self.scratch * self.manager.page_size
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-            slot_mapping: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, V]`` of one decode step (``slot_mapping`` ``[L, B, H]`` from CacheManager.append)."""
+            slot_mapping: torch.Tensor, method=None) -> torch.Tensor:
+        """Logits ``[B, V]`` of one decode step (``slot_mapping`` ``[L, B, H]`` from CacheManager.append);
+        ``method``: every row's method, whose selection the graph runs (None: dense attention)."""
         B = input_ids.shape[0]
         bucket = self.bucket(B)
-        if bucket not in self._graphs:
-            self._graphs[bucket] = self._capture(bucket)
-        graph, logits = self._graphs[bucket]
+        key = (bucket, None if method is None else id(method))
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(bucket, method)
+        graph, logits = self._graphs[key]
         self.input_ids[:B].copy_(input_ids, non_blocking=True)
         self.positions[:B].copy_(positions, non_blocking=True)
         self.rows[:B].copy_(rows, non_blocking=True)

@@ -292,6 +292,25 @@ class SparseMethod:
         decode only now and then answers False in between, so the step can run as a CUDA graph."""
         return True
 
+    # --- decode selection inside a CUDA graph (optional) ---------------------------------------
+    def graph_decode(self) -> bool:
+        """Can this instance's ``decode_view`` run inside a CUDA graph? Then it implements
+        ``prepare_graph_decode`` (host work before each replay) and ``graph_decode_view`` (pure
+        device work with shapes fixed by its arguments: no host reads), and overrides no other
+        decode hook. Default: no."""
+        return False
+
+    def prepare_graph_decode(self, cache: Any, seq_ids: Sequence[SeqId]) -> None:
+        """Host-side work before a graph replay of a decode step over ``seq_ids``."""
+
+    def graph_decode_view(self, layer: int, cache: Any, q: torch.Tensor, tables: torch.Tensor,
+                          lengths: torch.Tensor) -> torch.Tensor | None:
+        """Inside the graph: page lists ``[B, H, K]`` (-1 after the valid entries, which come first)
+        that each head reads this step, from ``q`` ``[B, Hq, D]``, the batch's page tables ``[B, H, NP]``
+        (``NP`` = the cache's widest table) and lengths ``[B, H]`` (device, the step's token
+        included); None: the layer reads every page."""
+        return None
+
     def scoring_pass(self, seq: SeqInfo, token_ids: Sequence[int], tokenizer: Any) -> ScoringPass | None:
         """The turn's input is in the cache (``token_ids``: the whole logical history, ``tokenizer``
         the engine's or None): an extra pass to run over the cache, or None for none."""

@@ -63,15 +63,19 @@ class ModelRunner:
         self.scale = model.cfg.head_dim ** -0.5
         self.forward_passes = 0
         self.graph_steps = 0
+        self._graph_method = None  # set by graph_ok: the method whose decode selection the graph runs
 
     def graph_ok(self, batch: ScheduledBatch, query_windows) -> bool:
+        """Can ``batch`` run as a graph replay? Remembers which method's selection goes inside."""
+        self._graph_method = None
         if self.graphs is None or batch.prefill or not batch.decode or len(batch.decode) > self.graphs.max_batch:
             return False
         ids = [s.seq_id for s in batch.decode]
         if query_windows and any(i in query_windows for i in ids):
             return False
         slots = torch.tensor([self.manager.slot(i) for i in ids])
-        return not self.controller.decode_hooks_due(ids, self.manager.lengths[slots] + 1)
+        ok, self._graph_method = self.controller.graph_decode_method(ids, self.manager.lengths[slots] + 1)
+        return ok
 
     @torch.inference_mode()
     def _execute_graph(self, batch: ScheduledBatch, previous: InFlight | None = None) -> StepResult:
@@ -86,7 +90,10 @@ class ModelRunner:
             row_of = {id(s): i for i, s in enumerate(previous.seqs)}
             src = to_device(torch.tensor([row_of.get(id(s), 0) for s in seqs], dtype=torch.long), dev)
             tokens = torch.where(tokens >= 0, tokens, previous.tokens[src])
-        logits = self.graphs.run(tokens, to_device(positions, dev), to_device(rows, dev), slot_mapping)
+        method = self._graph_method
+        if method is not None:
+            method.prepare_graph_decode(self.manager, ids)
+        logits = self.graphs.run(tokens, to_device(positions, dev), to_device(rows, dev), slot_mapping, method=method)
         for s in seqs:
             s.num_cached += 1
         self.forward_passes += 1

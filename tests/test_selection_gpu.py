@@ -15,7 +15,7 @@ RANDOM_LLAMA = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4
                     tie_word_embeddings=False)
 
 
-def random_llama_engine(model_dir, device: str = "cuda"):
+def random_llama_engine(model_dir, device: str = "cuda", cuda_graphs: bool = False):
     """A small Llama with random weights (nothing to download or carry): greedy token ids are
     deterministic, so methods are compared token for token."""
     from transformers import LlamaConfig
@@ -26,9 +26,9 @@ def random_llama_engine(model_dir, device: str = "cuda"):
     cfg = LlamaConfig(**RANDOM_LLAMA)
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.save_pretrained(str(model_dir))
-    # no CUDA graphs: every step goes through the same (eager) kernel, with or without page lists
+    # no CUDA graphs by default: every step goes through the same (eager) kernel, with or without page lists
     return LLMEngine(EngineConfig(model=str(model_dir), device=device, num_pages=20000, prefill_chunk_size=128,
-                                  max_model_len=2048, cuda_graphs=False, async_decode=False), random_weights=True)
+                                  max_model_len=2048, cuda_graphs=cuda_graphs, async_decode=False), random_weights=True)
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +106,25 @@ def test_offload_on_cuda_uses_pinned_host_pages_within_budget(gpu_engine, prompt
         if eng.manager.has(rid) and eng._seqs[rid].num_cached > len(prompt):
             assert eng.manager.num_pages(rid) <= L * H * per_head
             assert sum(eng.manager.num_host_pages(rid, layer) for layer in range(L)) > 0
+
+
+def test_quest_decodes_inside_cuda_graphs(gpu_engine, prompt, tmp_path):
+    """Quest with a budget in tokens runs its page selection inside the decode CUDA graph: the same
+    tokens as the eager step (a sparse budget, three sequences of different lengths in one batch)."""
+    from engine.lifecycle import MethodSpec
+
+    graphs = random_llama_engine(tmp_path / "graphs", cuda_graphs=True)
+    prompts = [prompt, prompt[:437], prompt[:250]]
+    spec = MethodSpec("quest", budget=128)
+    sp = _params(40)
+    eager = [o.token_ids for o in gpu_engine.generate(prompts, sp, method=spec)]
+    before = graphs.runner.graph_steps
+    replayed = [o.token_ids for o in graphs.generate(prompts, sp, method=spec)]
+    assert graphs.runner.graph_steps - before >= 35  # decode steps ran as graph replays
+    assert replayed == eager
+
+
+def _params(n):
+    from engine.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=n, ignore_eos=True)

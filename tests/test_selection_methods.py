@@ -223,6 +223,16 @@ def test_quest_batched_selection_equals_the_rule_per_sequence(device):
                             lengths=lengths, cache=mgr, k=kn, tables=tables, device_lengths=dev_lengths)
         assert quest.decode_view(0, batch) is None  # a dense layer
         sel = quest.decode_view(1, batch).selected_pages.cpu()
+        # the CUDA-graph form reads the cache's full-width tables and must pick the same pages
+        assert quest.graph_decode()
+        rows = slot_ids.to(device)
+        in_graph = quest.graph_decode_view(1, mgr, q.to(device), mgr.tables_dev[rows, 1], mgr.lengths_dev[rows, 1]).cpu()
+        assert in_graph.shape[-1] == budget_pages
+        for i in range(len(names)):
+            for h in range(H):
+                row = in_graph[i, h]
+                assert (row >= 0).sum() == (sel[i, h] >= 0).sum() and bool((row[row >= 0].diff() > 0).all())
+                assert sorted(row[row >= 0].tolist()) == sorted(sel[i, h][sel[i, h] >= 0].tolist())
         for i, name in enumerate(names):
             lo, hi = _page_bounds_direct(mgr, name, layer=1)
             n_pages = lo.shape[1]

@@ -89,6 +89,10 @@ class CacheManager:
         """The layout version of one layer of each sequence (see the module docstring)."""
         return self._versions[[self.slot(s) for s in seq_ids], layer].tolist()
 
+    def layout_version_table(self, seq_ids: Sequence[Hashable]) -> list[list[int]]:
+        """Every layer's layout version of each sequence, ``[len(seq_ids)][num_layers]``, in one read."""
+        return self._versions[[self.slot(s) for s in seq_ids]].tolist()
+
     def page_table(self, seq_id: Hashable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's page ids ``[H, num_pages]`` (device, int64, -1 past a head's end or for a page
         on the host tier) and its lengths ``[H]`` (device), ``num_pages`` from the longest head."""

@@ -61,6 +61,16 @@ class PageBounds:
                 self._write(ids, lengths, 0)
                 built[layer] = version
 
+    def ensure_layers(self, cache, seq_ids: Sequence[Hashable], layers: range) -> None:
+        """``ensure`` for several layers at once, the versions read in one lookup (before a graph replay)."""
+        for seq_id, versions in zip(seq_ids, cache.layout_version_table(seq_ids)):
+            built = self._built.setdefault(seq_id, {})
+            for layer in layers:
+                if built.get(layer) != versions[layer]:
+                    ids, lengths = cache.page_table(seq_id, layer)
+                    self._write(ids, lengths, 0)
+                    built[layer] = versions[layer]
+
     def refresh(self, cache, seq_id: Hashable, layer: int, first_page: int) -> None:
         """Recompute pages ``first_page ..`` of one (sequence, layer) from the cache (after a prefill
         chunk); all of them if the layout changed since they were built."""

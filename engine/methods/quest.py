@@ -15,6 +15,9 @@ Implementation: the bounds live beside the pool, by physical page id (``PageBoun
 docstring says how they stay right across forks, snapshots and compaction); a decode step scores
 every page of every row of the batch at once (a gather through the page tables and two batched
 matrix products) and picks each head's pages with one top-k, on the device, without host syncs.
+With a budget in tokens (not a ratio: the number of pages then depends on each row's length) that
+step runs inside the decode CUDA graph (``graph_decode_view``); the host only checks, before each
+replay, that no sequence's page layout changed (``prepare_graph_decode``).
 
 Parameters:
     budget / budget_ratio   tokens each head attends per decode step (rounded up to pages); required
@@ -82,19 +85,35 @@ class Quest(SparseMethod):
     def decode_view(self, layer: int, batch: DecodeBatch) -> Selection | None:
         if layer < self.params.dense_layers:
             return None
-        p = self.params
         cache = batch.cache
-        bounds = self.bounds(cache)
-        bounds.ensure(cache, batch.seq_ids, layer)
+        self.bounds(cache).ensure(cache, batch.seq_ids, layer)
         tables, lengths = batch.tables, batch.device_lengths
         if tables is None:  # a batch built by hand (tests): the same tables from the cache
             tables, lengths = _tables(cache, batch.seq_ids, layer)
-        bounds.refresh_current(tables, lengths)
-        scores = page_scores(batch.q, *bounds.gather(tables))
         ks = [self.pages_for(n) for n in batch.num_tokens]
-        k = ks[0] if len(set(ks)) == 1 else torch.tensor(ks, device=scores.device)
-        return Selection(selected_pages=select_pages(scores, lengths, self.shape.page_size, k,
-                                                     p.n_sink_pages, p.n_recent_pages))
+        k = ks[0] if len(set(ks)) == 1 else torch.tensor(ks, device=tables.device)
+        return Selection(selected_pages=self._select(cache, batch.q, tables, lengths, k))
+
+    def _select(self, cache, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, k) -> torch.Tensor:
+        """The pages each head reads: the current pages' bounds refreshed, every page scored, top-k."""
+        p = self.params
+        bounds = self.bounds(cache)
+        bounds.refresh_current(tables, lengths)
+        scores = page_scores(q, *bounds.gather(tables))
+        return select_pages(scores, lengths, self.shape.page_size, k, p.n_sink_pages, p.n_recent_pages)
+
+    # --- inside the decode CUDA graph ----------------------------------------------------------
+    def graph_decode(self) -> bool:
+        return self.spec.budget is not None  # a fixed number of pages per head: static shapes
+
+    def prepare_graph_decode(self, cache, seq_ids) -> None:
+        self.bounds(cache).ensure_layers(cache, seq_ids, range(self.params.dense_layers, self.shape.num_layers))
+
+    def graph_decode_view(self, layer: int, cache, q: torch.Tensor, tables: torch.Tensor,
+                          lengths: torch.Tensor) -> torch.Tensor | None:
+        if layer < self.params.dense_layers:
+            return None
+        return self._select(cache, q, tables, lengths, self.pages_for(self.spec.budget))
 
     def release(self, seq_id) -> None:
         if self._bounds is not None:
