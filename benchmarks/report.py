@@ -35,16 +35,18 @@ def decode_section(d: dict, stem: str = "decode_throughput") -> str:
     cols = [("method", "method"), ("batch", "batch"), ("context", "context"), ("budget", "budget"),
             ("kv", "KV"), ("kv_tokens_per_head", "KV tokens/head"), ("tokens_per_s", "tokens/s"),
             ("step_ms", "step ms"), ("roofline_fraction", "roofline"), ("ratio_vs_dense", "x dense (largest batch)"),
-            ("ratio_vs_dense_same_batch", "x dense (same batch)"), ("hf_step_ms", "HF step ms"),
+            ("ratio_vs_dense_same_batch", "x dense (same batch)"),
+            ("roofline_ratio_same_batch", "roofline x dense (same batch)"), ("hf_step_ms", "HF step ms"),
             ("ratio_vs_hf", "x HF"), ("prefill_s", "prefill s")]
     hf = d.get("hf_step_ms") or {}
     hf_line = ", ".join(f"batch {b}: {ms:.1f} ms" for b, ms in sorted(hf.items(), key=lambda x: int(x[0]))) or "not run"
     return "\n\n".join([
-        "## Decode throughput (GPU)" + ("" if stem == "decode_throughput" else ": sparse methods"),
+        "## Decode throughput (GPU)" + ("" if stem == "decode_throughput" else f" ({stem.split('_')[-1]})"),
         f"`benchmarks/decode_throughput.py` on {d['device']}, {d['shape']} shapes, random bf16 weights; "
         f"measured copy bandwidth {d['copy_bandwidth_tb_s']:.2f} TB/s. Our dense engine fits {d['dense_largest_batch']} "
         f"sequences at this context. HF transformers (its own model and DynamicCache, sdpa), same run: {hf_line}.",
-        "`roofline` = (weights + KV bytes a step must read) / (copy bandwidth x step time). " + d.get("note", ""),
+        "`roofline` = (weights + KV bytes a step must read) / (copy bandwidth x step time); `roofline x dense "
+        "(same batch)` = the ratio to dense at the same batch that the bytes alone allow. " + d.get("note", ""),
         table(d["rows"], cols),
         f"![decode throughput](../benchmarks/results/{stem}.png)",
     ])
@@ -226,7 +228,7 @@ def quality_section(d: dict, name: str = "quality") -> str:
 # results file stem -> section renderer (files without one get a generic table)
 RENDERERS = {
     "decode_throughput": decode_section,
-    "decode_throughput_methods": lambda d: decode_section(d, "decode_throughput_methods"),
+    "decode_throughput_quest": lambda d: decode_section(d, "decode_throughput_quest"),
     "kernel_bandwidth": kernel_section,
     "agent_trace_cpu": lambda d: agent_trace_section(d, "agent_trace_cpu"),
     "agent_trace_gpu": lambda d: agent_trace_section(d, "agent_trace_gpu"),
