@@ -24,7 +24,10 @@ Formats:
            append and restore); a full page that already left it is sealed as its last token is
            written. So at least the last ``residual_length`` tokens of every head (and at most
            ``residual_length + page_size - 1``) are attended in full precision; with
-           ``residual_length = 0`` only the open page is. Staging pages are a fixed set sized by the
+           ``residual_length = 0`` only the open page is. A page that left the window does not
+           come back to it: after a truncation (an aborted turn) it is quantized again as soon as it
+           is refilled, and a page shared by a fork is sealed when the first sharer leaves it
+           behind (sealing is deterministic, so only the timing changes). Staging pages are a fixed set sized by the
            engine: ``staging_per_head`` (1 + ceil(residual_length / page_size)) per cached
            (sequence, layer, kv-head).
 

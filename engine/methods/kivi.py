@@ -12,6 +12,12 @@ Attention reads dequantized K/V. Nothing is evicted: every token stays, in fewer
 zero points are float16; the pages live in the ``kivi`` page format (engine/cache/formats.py).
 The paper's defaults: 2 bits, group size G = 32, residual length R = 128.
 
+Prefill: a chunk attends its own K/V in full precision and the earlier chunks as stored (the
+window exact, older pages dequantized). KIVI prefills the whole prompt in full precision, so a
+prompt longer than ``prefill_chunk_size`` reads somewhat more quantized context here than in the
+paper (SmolLM2, 336-token prompt, 2 bits, R = 128: 0.84 agreement with 128-token chunks, 0.875
+with one chunk; tests/test_quant_methods.py).
+
 Memory: each head holds up to 1 + ceil(R / page_size) full-precision staging pages in the model
 dtype on top of its quantized pages, so the bytes per cached token approach the quantized cost
 only once the context is long against R (the pool's accounting counts the staging honestly).
