@@ -210,7 +210,8 @@ def test_kivi2_bytes_per_token_once_the_window_is_amortized(kivi2, dtype, tokens
     g = torch.Generator().manual_seed(0)
     for start in range(0, tokens, 1024):
         slots = mgr.append(["long"], [1024], torch.arange(start, start + 1024))
-        pool.write_tokens(slots[0], torch.randn(1024, 1, D, generator=g).to(dtype), torch.randn(1024, 1, D, generator=g).to(dtype))
+        k, v = torch.randn(2, 1024, 1, D, generator=g).to(dtype)
+        pool.write_tokens(slots[0], k, v)
     per_token = mgr.kv_bytes("long") / tokens
     bf16 = PagePool(1, P, D, torch.bfloat16, "cpu").bytes_per_token
     staged = f.num_open(mgr.tables[0, 0, : tokens // P].long())
