@@ -99,8 +99,9 @@ class LLMEngine:
         # the pool stores pages in the layout the configured method declares (plain, fp8, kivi, ...)
         layout = get_method_class(config.method)(self.default_spec, self.shape).kv_layout()
         fmt = make_format(layout.format, layout.args, config.page_size, mc.head_dim, self.dtype)
-        # formats with full-precision open pages (kivi) get one staging page per cached head
-        max_open = slots * mc.num_layers * mc.num_kv_heads + 1 if fmt.open_page_bytes else 0
+        # formats with full-precision pages (kivi: the open page and the residual window) get
+        # ``staging_per_head`` staging pages per cached head
+        max_open = slots * mc.num_layers * mc.num_kv_heads * fmt.staging_per_head + 1 if fmt.staging_per_head else 0
         self.pool = PagePool(self._num_pages(fmt, max_open), config.page_size, mc.head_dim, self.dtype, self.device,
                              format=fmt, max_open_pages=max_open)
         self.manager = CacheManager(self.pool, mc.num_layers, mc.num_kv_heads, slots, self.max_model_len)
@@ -131,7 +132,7 @@ class LLMEngine:
     def _num_pages(self, fmt, max_open: int) -> int:
         cfg, mc = self.config, self.model_config
         page_bytes = fmt.bytes_per_page + cfg.page_size * 4  # K/V storage + positions
-        staging = max_open * fmt.open_page_bytes  # full-precision open pages (kivi)
+        staging = max_open * fmt.open_page_bytes  # full-precision open and window pages (kivi)
         if cfg.num_pages is not None:
             return cfg.num_pages
         if cfg.kv_cache_gb is not None or self.device.type != "cuda":

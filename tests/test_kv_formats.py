@@ -17,7 +17,7 @@ CPU = torch.device("cpu")
 
 def make(fmt: str, args=(), num_pages=64, max_seqs=4, dtype=torch.float32):
     f = make_format(fmt, dict(args), P, D, dtype)
-    pool = PagePool(num_pages, P, D, dtype, CPU, format=f, max_open_pages=max_seqs * L * H)
+    pool = PagePool(num_pages, P, D, dtype, CPU, format=f, max_open_pages=max_seqs * L * H * f.staging_per_head)
     return pool, CacheManager(pool, L, H, max_seqs, 256)
 
 
@@ -43,7 +43,11 @@ def read(mgr, seq, layer):
     return k[:, :n].permute(1, 0, 2), v[:, :n].permute(1, 0, 2)  # [n, H, D]
 
 
-FORMATS = [("plain", ()), ("fp8", ()), ("fp8", (("fp8", "e5m2"),)), ("kivi", (("bits", 4),)), ("kivi", (("bits", 2),))]
+# kivi without a residual window (only the open page is full precision), so that sealed pages are
+# exercised on short sequences; the window has its own tests below
+K0 = (("residual_length", 0),)
+FORMATS = [("plain", ()), ("fp8", ()), ("fp8", (("fp8", "e5m2"),)), ("kivi", (("bits", 4),) + K0), ("kivi", (("bits", 2),) + K0),
+           ("kivi", (("bits", 2), ("residual_length", 24)))]
 
 
 @pytest.mark.parametrize("fmt,args", FORMATS)
@@ -58,16 +62,19 @@ def test_round_trip_within_quantization_error(fmt, args):
     err_v = ((rv - v).norm() / v.norm()).item()
     bound = {"plain": 0, "fp8": 0.1, "kivi": 0.12 if dict(args).get("bits") == 4 else 0.6}[fmt]
     assert err_k <= bound and err_v <= bound, (err_k, err_v)
-    if fmt == "kivi":  # the open page (the recent window) is full precision; sealed pages are not
-        assert torch.equal(rk[32:], k[32:]) and torch.equal(rv[32:], v[32:])
-        assert not torch.equal(rk[:32], k[:32])
-        assert pool.format.num_open(mgr.tables[mgr.slot("a")].flatten()[mgr.tables[mgr.slot("a")].flatten() >= 0]) == L * H
+    if fmt == "kivi":  # the open page and the pages holding the last R tokens are full precision; sealed pages are not
+        R = dict(args)["residual_length"]
+        exact = 40 - (40 - R) // P * P  # R = 0: the open page (8 tokens); R = 24: pages 1-2 (24 tokens)
+        assert torch.equal(rk[40 - exact:], k[40 - exact:]) and torch.equal(rv[40 - exact:], v[40 - exact:])
+        assert not torch.equal(rk[:16], k[:16])
+        tables = mgr.tables[mgr.slot("a")].flatten()
+        assert pool.format.num_open(tables[tables >= 0]) == L * H * (1 if not R else 2)
 
 
 def test_kivi_rule_keys_per_channel_values_per_token():
     """A key channel that is constant over a page and a value token that is constant over a group
     are exact: keys share a scale/zero per (page, channel), values per (token, channel group)."""
-    pool, mgr = make("kivi", (("bits", 2),))
+    pool, mgr = make("kivi", (("bits", 2),) + K0)
     mgr.open("a")
     k, v = data(P)
     k[:, :, 5] = 3.25
@@ -96,7 +103,7 @@ def test_storage_is_really_smaller(fmt, args, ratio):
 
 
 def test_kivi_staging_follows_open_pages_and_accounting_counts_it():
-    pool, mgr = make("kivi", (("bits", 2),))
+    pool, mgr = make("kivi", (("bits", 2),) + K0)
     free0 = pool.format.num_staging_free
     mgr.open("a")
     fill(mgr, "a", *data(20))
@@ -166,11 +173,46 @@ def test_snapshot_restore_reproduces_the_pages(fmt, args):
         assert torch.allclose(ka, kb, atol=1e-5) and torch.allclose(va, vb, atol=1e-5)
 
 
+def test_kivi_residual_window_keeps_the_last_r_tokens_exact():
+    """KIVI's residual (R = 32, two pages): a page is quantized only once all its tokens are R or
+    more tokens old, whether tokens come one at a time (decode) or in a chunk (prefill), and the
+    accounting counts every staged page."""
+    R = 32
+    pool, mgr = make("kivi", (("bits", 2), ("residual_length", R)), num_pages=128)
+    free0 = pool.format.num_staging_free
+    k, v = data(100)
+    mgr.open("a")
+    mgr.open("b")
+    fill(mgr, "b", k[:70], v[:70])  # one chunk
+    for t in range(70):  # one token at a time
+        fill(mgr, "a", k[t : t + 1], v[t : t + 1], start=t)
+        n = t + 1
+        sealed = max(0, (n - R) // P)  # pages whose last token is at least R tokens old
+        rk, rv = read(mgr, "a", 0)
+        assert torch.equal(rk[sealed * P :], k[sealed * P : n]) and torch.equal(rv[sealed * P :], v[sealed * P : n])
+        if sealed:
+            assert not torch.equal(rk[: sealed * P], k[: sealed * P])
+        staged = -(-n // P) - sealed
+        assert staged <= pool.format.staging_per_head == 3
+        assert mgr.kv_bytes("a") == L * H * (-(-n // P) * pool.bytes_per_page + staged * pool.format.open_page_bytes)
+    for layer in range(L):  # the chunk and the token-by-token session hold the same pages
+        ka, va = read(mgr, "a", layer)
+        kb, vb = read(mgr, "b", layer)
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    assert torch.equal(read(mgr, "b", 0)[0][(70 - R) // P * P :], k[(70 - R) // P * P : 70])
+    assert pool.format.num_staging_free == free0 - 2 * L * H * 3
+    mgr.release("a")
+    mgr.release("b")
+    assert pool.format.num_staging_free == free0 and pool.num_free == pool.num_pages
+
+
 def test_bad_formats_and_exhausted_staging():
     with pytest.raises(FormatError, match="2 or 4 bits"):
         make_format("kivi", {"bits": 3}, P, D, torch.float32)
     with pytest.raises(FormatError, match="divide head_dim"):
         make_format("kivi", {"value_group": 48}, P, D, torch.float32)
+    with pytest.raises(FormatError, match="residual_length"):
+        make_format("kivi", {"residual_length": -1}, P, D, torch.float32)
     with pytest.raises(FormatError, match="e4m3 or e5m2"):
         make_format("fp8", {"fp8": "e3m4"}, P, D, torch.float32)
     with pytest.raises(FormatError, match="unknown KV page format"):

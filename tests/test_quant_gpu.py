@@ -19,7 +19,9 @@ from engine.sampling import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-CASES = [("kivi", {"bits": 2, "value_group": 16}), ("kivi", {"bits": 4, "value_group": 16}), ("fp8", {})]
+# kivi with a short residual window (R = 32), so that most of the 150-token prompt is read quantized
+CASES = [("kivi", {"bits": 2, "value_group": 16, "residual_length": 32}),
+         ("kivi", {"bits": 4, "value_group": 16, "residual_length": 32}), ("fp8", {})]
 
 
 def _engine(path, device, method="dense", args=None, **kw):
@@ -85,7 +87,8 @@ def test_gpu_kivi_sessions_fork_and_snapshot(tiny_models):
     from engine.cache.snapshot import SessionSnapshot
 
     path, _ = tiny_models("llama")
-    eng = _engine(path, "cuda", "kivi", {"bits": 2, "value_group": 16})
+    # R = 32: the 70-token turns both seal pages and keep some in the window
+    eng = _engine(path, "cuda", "kivi", {"bits": 2, "value_group": 16, "residual_length": 32})
     g = torch.Generator().manual_seed(4)
     t0 = torch.randint(0, 320, (70,), generator=g).tolist()
     a, b = torch.randint(0, 320, (9,), generator=g).tolist(), torch.randint(0, 320, (11,), generator=g).tolist()

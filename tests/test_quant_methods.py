@@ -1,6 +1,11 @@
 """KV quantization methods (kivi, fp8) on SmolLM2: agreement with dense over 64 greedy tokens, bytes per
 cached token from the pool's own accounting, sessions (multi-turn, fork, snapshot/restore) on
-quantized pages, clear errors, and the CLI / sidecar surface."""
+quantized pages, clear errors, and the CLI / sidecar surface.
+
+kivi keeps the last ``residual_length`` tokens of every head in full precision (KIVI's R, default
+128). On the 107-token agreement context that is the whole cache, so the quantizer itself is
+measured there with R = 0 (only the open page exact); the paper's configuration (2 bits, R = 128)
+is measured on a 400-token context where two thirds of the cache is quantized."""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ import grpc
 import pytest
 import torch
 
+from engine.cache.formats import make_format
+from engine.cache.manager import CacheManager
 from engine.cache.pages import PagePool
 from engine.cache.snapshot import SessionSnapshot
 from engine.config import EngineConfig
@@ -47,12 +54,19 @@ def engine_for(method: str, **args) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def kivi2():
+    """The paper's configuration: 2 bits, value group 32, residual R = 128 (key group = page, 16)."""
     return engine_for("kivi", bits=2)
 
 
 @pytest.fixture(scope="module")
+def kivi2_r0():
+    """2 bits without a residual window: every full page is quantized (sessions seal pages early)."""
+    return engine_for("kivi", bits=2, residual_length=0)
+
+
+@pytest.fixture(scope="module")
 def kivi4():
-    return engine_for("kivi", bits=4)
+    return engine_for("kivi", bits=4, residual_length=0)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +86,30 @@ def dense_reference(smol_engine):
     ids = smol_engine.apply_chat_template(AGREEMENT_PROMPT)
     out = smol_engine.generate([ids], SamplingParams(max_tokens=N_TOKENS, ignore_eos=True, return_logits=True))[0]
     return ids, out.token_ids, out.step_logits
+
+
+@pytest.fixture(scope="module")
+def long_reference(smol_engine):
+    """The same for the design-note prompt (336 tokens): 400 cached tokens per head at the end, of
+    which R = 128 to 143 are in kivi's full-precision window."""
+    ids = prompt(smol_engine)
+    out = smol_engine.generate([ids], SamplingParams(max_tokens=N_TOKENS, ignore_eos=True, return_logits=True))[0]
+    return ids, out.token_ids, out.step_logits
+
+
+def agreement(engine, reference, name: str) -> tuple[float, torch.Tensor, int]:
+    """Top-1 agreement with the dense tokens, per-step KL(dense || engine), free-running prefix."""
+    ids, tokens, dense_logits = reference
+    logits = forced_decode(engine, ids, tokens)
+    top1 = logits.argmax(-1)
+    agree = (top1 == torch.tensor(tokens)).float().mean().item()
+    lp, lq = torch.log_softmax(dense_logits.float(), -1), torch.log_softmax(logits.float(), -1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    mismatch = (top1 != torch.tensor(tokens)).nonzero().flatten().tolist()
+    prefix = mismatch[0] if mismatch else len(tokens)  # free-running generation equals dense up to here
+    print(f"\n{name}: top-1 agreement {agree:.4f} over {len(tokens)} tokens ({len(ids)} prompt tokens), "
+          f"KL(dense||{name}) mean {kl.mean():.4f} max {kl.max():.4f}, free-running identical for the first {prefix} tokens")
+    return agree, kl, prefix
 
 
 def forced_decode(engine, ids: list[int], tokens: list[int]) -> torch.Tensor:
@@ -110,29 +148,35 @@ def run_turn(engine, sid, tokens, params=GREEDY, **kw):
 
 @pytest.mark.parametrize("name", ["kivi4", "fp8"])
 def test_agrees_with_dense_over_64_greedy_tokens(name, dense_reference, request):
-    """kivi at 4 bits and fp8 (e4m3). kivi at 2 bits is measured by benchmarks/quant_quality.py
-    (on this model it agrees far less: see docs/benchmarks.md)."""
+    """kivi at 4 bits without a residual window (every full page read quantized) and fp8 (e4m3)."""
     engine = request.getfixturevalue(name)
-    ids, tokens, dense_logits = dense_reference
-    logits = forced_decode(engine, ids, tokens)
-    top1 = logits.argmax(-1)
-    agree = (top1 == torch.tensor(tokens)).float().mean().item()
-    lp, lq = torch.log_softmax(dense_logits, -1), torch.log_softmax(logits, -1)
-    kl = (lp.exp() * (lp - lq)).sum(-1)
-    mismatch = (top1 != torch.tensor(tokens)).nonzero().flatten().tolist()
-    prefix = mismatch[0] if mismatch else N_TOKENS  # free-running generation equals dense up to here
-    print(f"\n{name}: top-1 agreement {agree:.4f} over {N_TOKENS} tokens, KL(dense||{name}) mean {kl.mean():.4f} "
-          f"max {kl.max():.4f}, free-running identical for the first {prefix} tokens")
+    agree, kl, _ = agreement(engine, dense_reference, name)
     assert agree >= 0.95
     assert kl.mean() < 0.02
     assert not engine.pool.format.plain
 
 
-@pytest.mark.parametrize("name,ratio", [("kivi2", 0.3), ("fp8", 0.55)])
+def test_kivi2_with_the_papers_residual_window(kivi2, kivi2_r0, long_reference):
+    """kivi at 2 bits, the paper's configuration (R = 128) against no window (R = 0), on a context
+    where most of the cache is quantized. The window is what makes 2 bits usable here; on this
+    135M-parameter model it still does not reach 0.95 (measured 0.84, KL 0.084; R = 0: 0.67, KL 0.33).
+    Most of the remaining loss is the 2-bit keys (see docs/benchmarks.md)."""
+    ids, tokens, _ = long_reference
+    assert len(ids) + len(tokens) >= 3 * kivi2.pool.format.residual_length  # most tokens are quantized
+    agree, kl, _ = agreement(kivi2, long_reference, "kivi2 R=128")
+    agree0, kl0, _ = agreement(kivi2_r0, long_reference, "kivi2 R=0")
+    assert agree >= 0.8 and kl.mean() < 0.12
+    assert agree0 < agree and kl0.mean() > 2 * kl.mean()
+
+
+@pytest.mark.parametrize("name,ratio", [("kivi2_r0", 0.3), ("kivi2", 0.7), ("fp8", 0.55)])
 def test_multi_turn_session_reuses_kv_and_holds_fewer_bytes_per_token(name, ratio, request):
     """Bytes per cached token of a two-turn session (about 680 tokens per head), as the pool
     accounts them (page storage with scales and zero points, plus the full-precision staging page
-    of every open page), against what the pool accounts for a bf16 plain page."""
+    of every open or in-window page, in the engine's dtype: float32 here), against what the pool
+    accounts for a bf16 plain page. With R = 128 the window is 9 float32 staging pages of a head's
+    43, so kivi2 holds about 0.65x of bf16 at this context: below 0.3x only once R is amortized
+    (next test)."""
     engine = request.getfixturevalue(name)
     t0 = prompt(engine)
     out0 = run_turn(engine, "bytes", t0, SamplingParams(max_tokens=4))
@@ -151,10 +195,37 @@ def test_multi_turn_session_reuses_kv_and_holds_fewer_bytes_per_token(name, rati
     engine.end_session("bytes")
 
 
-def test_fork_and_snapshot_restore_with_quantized_pages(kivi2):
-    """kivi, the harder format (open pages in full-precision staging); fp8 pages fork, compact and
-    snapshot in tests/test_kv_formats.py."""
-    engine = kivi2
+@pytest.mark.parametrize("dtype,tokens", [(torch.float32, 4096), (torch.bfloat16, 2048)])
+def test_kivi2_bytes_per_token_once_the_window_is_amortized(kivi2, dtype, tokens):
+    """The paper's kivi2 (R = 128) holds at most 0.3x of a bf16 plain page per cached token once a
+    head is long against R: a pool in the engine's kivi format (one layer and kv-head), filled with
+    ``tokens`` tokens by the CacheManager, accounted by the pool. float32 is the CPU engine's dtype
+    (float32 staging pages), bfloat16 the GPU's."""
+    fmt = kivi2.pool.format
+    P, D = fmt.page_size, fmt.head_dim
+    f = make_format("kivi", fmt.args, P, D, dtype)
+    pool = PagePool(tokens // P + 1, P, D, dtype, "cpu", format=f, max_open_pages=f.staging_per_head)
+    mgr = CacheManager(pool, 1, 1, 1, tokens)
+    mgr.open("long")
+    g = torch.Generator().manual_seed(0)
+    for start in range(0, tokens, 1024):
+        slots = mgr.append(["long"], [1024], torch.arange(start, start + 1024))
+        k, v = torch.randn(2, 1024, 1, D, generator=g).to(dtype)
+        pool.write_tokens(slots[0], k, v)
+    per_token = mgr.kv_bytes("long") / tokens
+    bf16 = PagePool(1, P, D, torch.bfloat16, "cpu").bytes_per_token
+    staged = f.num_open(mgr.tables[0, 0, : tokens // P].long())
+    print(f"\nkivi2 R={f.residual_length} {dtype}: {per_token:.1f} B per cached token over {tokens} tokens "
+          f"({staged} staged pages) -> {per_token / bf16:.3f}x of bf16")
+    assert staged == -(-f.residual_length // P)  # the window, and no more, is in full precision
+    assert per_token <= 0.3 * bf16
+
+
+def test_fork_and_snapshot_restore_with_quantized_pages(kivi2_r0):
+    """kivi, the harder format (open pages in full-precision staging, sealed pages quantized; R = 0
+    so that the short turns seal pages); fp8 pages fork, compact and snapshot in
+    tests/test_kv_formats.py, the residual window in tests/test_kv_formats.py."""
+    engine = kivi2_r0
     used0 = engine.pool.num_used
     staged0 = getattr(engine.pool.format, "num_staging_free", None)
     t0 = first_turn(engine, "Let's plan a trip. Suggest a city.")
@@ -179,8 +250,8 @@ def test_fork_and_snapshot_restore_with_quantized_pages(kivi2):
     assert getattr(engine.pool.format, "num_staging_free", None) == staged0
 
 
-def test_abort_rolls_back_quantized_pages(kivi2):
-    eng = kivi2
+def test_abort_rolls_back_quantized_pages(kivi2_r0):
+    eng = kivi2_r0
     t0 = first_turn(eng, "Hello there.")
     out = run_turn(eng, "ab", t0)
     hist = t0 + out.token_ids

@@ -14,17 +14,25 @@ Formats:
 ``fp8``    K and V as float8 codes (e4m3 or e5m2) ``[num_pages, page_size, head_dim]`` with one
            float16 scale per token and kv-head (absmax / the format's largest value). Every
            token is self-contained, so token moves are exact.
-``kivi``   KIVI: keys quantized per channel over the tokens of one page (the page is the
+``kivi``   KIVI: keys quantized per channel over the tokens of one page (the page is the key
            quantization group), values per token in groups of ``value_group`` channels, both
            asymmetric (scale and zero point in float16) with ``bits`` = 2 or 4, codes packed
-           ``8 // bits`` to a byte. A page is quantized ("sealed") when its last token is written;
-           until then it is *open* and its tokens sit in a full-precision staging page (model
-           dtype): the recent window of KIVI, here of up to ``page_size - 1`` tokens per head.
-           Staging pages are a fixed set sized by the engine (one per cached (sequence, layer,
-           kv-head), since only a head's last page can be partly filled).
+           ``8 // bits`` to a byte. KIVI's residual: a page stays in a full-precision staging page
+           (model dtype) while it is partly filled (*open*) or any of its tokens is among the head's
+           ``residual_length`` most recent ones; it is quantized ("sealed") once it is full and has
+           left that window. The CacheManager says when a page leaves the window (``expire``, on
+           append and restore); a full page that already left it is sealed as its last token is
+           written. So at least the last ``residual_length`` tokens of every head (and at most
+           ``residual_length + page_size - 1``) are attended in full precision; with
+           ``residual_length = 0`` only the open page is. A page that left the window does not
+           come back to it: after a truncation (an aborted turn) it is quantized again as soon as it
+           is refilled, and a page shared by a fork is sealed when the first sharer leaves it
+           behind (sealing is deterministic, so only the timing changes). Staging pages are a fixed set sized by the
+           engine: ``staging_per_head`` (1 + ceil(residual_length / page_size)) per cached
+           (sequence, layer, kv-head).
 
 Accounting. ``bytes_per_page`` is what a page's own storage costs (codes, scales, zero points);
-``open_page_bytes`` is what an open page costs on top (its staging page); ``storage_bytes`` is
+``open_page_bytes`` is what a staged (open or in-window) page costs on top (its staging page); ``storage_bytes`` is
 every byte the format allocated. ``PagePool.bytes_of(pages)`` adds them up for a set of pages, so
 a sequence's cost counts its full-precision window where it really has one.
 """
@@ -72,7 +80,13 @@ class KVFormat:
         raise NotImplementedError
 
     open_page_bytes = 0
-    """Extra bytes an open (partly filled, not yet quantized) page holds: its staging page."""
+    """Extra bytes a staged (open or in the full-precision window, not yet quantized) page holds."""
+
+    staging_per_head = 0
+    """Staging pages one (sequence, layer, kv-head) can hold at once (0: the format stages nothing)."""
+
+    residual_length = 0
+    """Most recent tokens of a head kept in full precision (the CacheManager ``expire``s pages past them)."""
 
     def _tensors(self) -> list[torch.Tensor]:
         raise NotImplementedError
@@ -83,8 +97,13 @@ class KVFormat:
         return sum(t.numel() * t.element_size() for t in self._tensors())
 
     def num_open(self, pages: torch.Tensor) -> int:
-        """How many of ``pages`` are open (hold a staging page)."""
+        """How many of ``pages`` hold a staging page (open or in the full-precision window)."""
         return 0
+
+    def expire(self, pages: torch.Tensor, filled: torch.Tensor) -> None:
+        """``pages`` (host int64) left their head's full-precision window. Those with ``filled``
+        (host bool) are full already; the others get their last token in the coming write. Each is
+        quantized once full."""
 
     # --- data -----------------------------------------------------------------------------------
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -238,11 +257,12 @@ class FP8Format(KVFormat):
 
 
 class KIVIFormat(KVFormat):
-    """KIVI pages: per-channel keys and per-token values in ``bits`` bits; open pages in staging."""
+    """KIVI pages: per-channel keys and per-token values in ``bits`` bits; open pages and the pages
+    of the recent full-precision window in staging."""
 
     name = "kivi"
 
-    def __init__(self, page_size, head_dim, dtype, bits: int = 2, value_group: int = 32):
+    def __init__(self, page_size, head_dim, dtype, bits: int = 2, value_group: int = 32, residual_length: int = 128):
         super().__init__(page_size, head_dim, dtype)
         if bits not in (2, 4):
             raise FormatError(f"kivi supports 2 or 4 bits, not {bits}")
@@ -250,11 +270,15 @@ class KIVIFormat(KVFormat):
             raise FormatError(f"kivi value_group ({value_group}) must divide head_dim ({head_dim})")
         if page_size < 2:
             raise FormatError("kivi quantizes keys over the tokens of a page: page_size must be at least 2")
-        self.args = {"bits": bits, "value_group": value_group}
+        if residual_length < 0:
+            raise FormatError(f"kivi residual_length must be >= 0, not {residual_length}")
+        self.args = {"bits": bits, "value_group": value_group, "residual_length": residual_length}
         self.bits = bits
         self.per_byte = 8 // bits
         self.levels = 2**bits - 1
         self.value_group = value_group
+        self.residual_length = residual_length
+        self.staging_per_head = 1 + -(-residual_length // page_size)
         self._shifts = None
 
     def allocate(self, num_pages, device, max_open_pages=0):
@@ -268,6 +292,7 @@ class KIVIFormat(KVFormat):
         self.staging = torch.empty(n_open, 2, P, D, dtype=self.dtype, device=dev)  # [., K|V, P, D]; written before read
         self.stage_of = torch.full((num_pages,), -1, dtype=torch.int64)  # host: page -> staging page
         self.stage_of_dev = self.stage_of.to(dev)
+        self.expired = torch.zeros(num_pages, dtype=torch.bool)  # host: the page left its head's window
         self._free_stage = list(range(n_open - 1, -1, -1))
         self._shifts = (torch.arange(self.per_byte, device=dev) * self.bits).to(torch.uint8)
         self.device = torch.device(dev)
@@ -356,18 +381,30 @@ class KIVIFormat(KVFormat):
         bk, bv = bk.float(), bv.float()
         bk[inv, off] = k.reshape(-1, D).float()
         bv[inv, off] = v.reshape(-1, D).float()
-        full = torch.zeros(pages_h.numel(), dtype=torch.bool)
-        full[inv_h[slots_h % P == P - 1]] = True  # tokens arrive in order: the last one seals a page
-        if bool(full.any()):
-            fd = full.to(dev)
-            self._seal(pages[fd], bk[fd], bv[fd])
-            self.release(pages_h[full])
-        opened = ~full
-        if bool(opened.any()):
-            op = pages_h[opened]
-            idx = self._stage(op)
-            od = opened.to(dev)
-            self.staging[idx.to(dev)] = torch.stack([bk[od], bv[od]], dim=1).to(self.dtype)
+        last = torch.zeros(pages_h.numel(), dtype=torch.bool)
+        last[inv_h[slots_h % P == P - 1]] = True  # tokens arrive in order: the last one fills a page
+        seal = last & self.expired[pages_h]  # full and out of the window: quantize now
+        if bool(seal.any()):
+            sd = seal.to(dev)
+            self._seal(pages[sd], bk[sd], bv[sd])
+            self._unstage(pages_h[seal])
+        staged = ~seal
+        if bool(staged.any()):
+            idx = self._stage(pages_h[staged])
+            sd = staged.to(dev)
+            self.staging[idx.to(dev)] = torch.stack([bk[sd], bv[sd]], dim=1).to(self.dtype)
+
+    def expire(self, pages, filled):
+        pages = pages.reshape(-1).long().cpu()
+        if pages.numel() == 0:
+            return
+        self.expired[pages] = True
+        ready = pages[filled.reshape(-1).cpu() & (self.stage_of[pages] >= 0)]  # full pages still in staging
+        if ready.numel():
+            dev = self.device
+            st = self.staging[self.stage_of[ready].to(dev)].float()
+            self._seal(ready.to(dev), st[:, 0], st[:, 1])
+            self._unstage(ready)
 
     def _stage(self, pages: torch.Tensor) -> torch.Tensor:
         """Staging pages of ``pages`` (host), taking free ones for pages that have none yet."""
@@ -384,10 +421,8 @@ class KIVIFormat(KVFormat):
             self.stage_of_dev[pages[new].to(self.device)] = got.to(self.device)
         return cur
 
-    def release(self, pages):
-        pages = pages.reshape(-1).long().cpu()
-        if pages.numel() == 0:
-            return
+    def _unstage(self, pages: torch.Tensor) -> None:
+        """Give the staging pages of ``pages`` (host) back."""
         so = self.stage_of[pages]
         held = so >= 0
         if bool(held.any()):
@@ -395,10 +430,18 @@ class KIVIFormat(KVFormat):
             self.stage_of[pages[held]] = -1
             self.stage_of_dev[pages[held].to(self.device)] = -1
 
+    def release(self, pages):
+        pages = pages.reshape(-1).long().cpu()
+        if pages.numel() == 0:
+            return
+        self._unstage(pages)
+        self.expired[pages] = False
+
     def copy_pages(self, src, dst):
         for t in (self.kq, self.vq, self.kstat, self.vstat):
             t[dst] = t[src]
         src_h, dst_h = src.reshape(-1).long().cpu(), dst.reshape(-1).long().cpu()
+        self.expired[dst_h] = self.expired[src_h]
         so = self.stage_of[src_h]
         opened = so >= 0
         if bool(opened.any()):

@@ -230,6 +230,7 @@ class CacheManager:
         self.lengths[slots] = new
         if self._mirrored:
             self.lengths_dev[to_device(slots, self.device)] = to_device(new, self.device)
+        self._expire(slots, old, new)
 
         # slot mapping: token j of sequence b lands at physical index old[b, l, h] + j
         tok_b = torch.repeat_interleave(torch.arange(len(n_list)), torch.tensor(n_list))
@@ -242,6 +243,26 @@ class CacheManager:
         pos = to_device(positions.to(torch.int32), self.device)
         self.pool.pos.view(-1)[flat_dev.reshape(-1)] = pos[:, None, None].expand(flat.shape).reshape(-1)
         return flat_dev.permute(1, 0, 2).contiguous()
+
+    def _expire(self, slots: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> None:
+        """Tell a format with a full-precision window (KIVI's residual) which pages leave it as the
+        heads of ``slots`` grow from ``old`` to ``new`` tokens (``[B, L, H]``): page j leaves it once
+        its last token is ``residual_length`` or more tokens old, ``(j + 1) * P <= new - R``."""
+        fmt = self.pool.format
+        if not fmt.staging_per_head:
+            return
+        P, R = self.page_size, fmt.residual_length
+        lo = (old - R).clamp(min=0) // P
+        hi = (new - R).clamp(min=0) // P
+        count = (hi - lo).clamp(min=0)
+        if not bool(count.any()):
+            return
+        b, l, h = count.nonzero(as_tuple=True)
+        per = count[b, l, h].long()
+        rows = torch.repeat_interleave(torch.arange(per.numel()), per)
+        j = lo[b, l, h].long()[rows] + torch.arange(int(per.sum())) - (torch.cumsum(per, 0) - per)[rows]
+        pages = self.tables[slots[b][rows].long(), l[rows], h[rows], j].long()
+        fmt.expire(pages, (j + 1) * P <= old[b, l, h].long()[rows])
 
     def _set_pages(self, slots: torch.Tensor, layers: torch.Tensor, heads: torch.Tensor, pages: torch.Tensor,
                    ids: torch.Tensor) -> None:
@@ -447,6 +468,7 @@ class CacheManager:
             self.lengths_dev[s] = self.lengths[s].to(self.device)
         flat, _ = self._flat_slots(s)
         flat_d = flat.to(self.device)
+        self._expire(torch.tensor([s]), torch.zeros_like(snap.lengths)[None], snap.lengths[None].to(torch.int32))
         self.pool.write_tokens(flat_d, snap.k.to(self.device, self.pool.dtype), snap.v.to(self.device, self.pool.dtype))
         self.pool.pos.view(-1)[flat_d] = snap.pos.to(self.device, torch.int32)
 

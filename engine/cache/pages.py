@@ -28,8 +28,9 @@ class OutOfPages(RuntimeError):
 class PagePool:
     def __init__(self, num_pages: int, page_size: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  format: KVFormat | None = None, max_open_pages: int = 0):
-        """``max_open_pages``: staging pages for formats that keep partly filled pages in full
-        precision (KIVI); one per cached (sequence, layer, kv-head) is always enough."""
+        """``max_open_pages``: staging pages for formats that keep partly filled and recent pages
+        in full precision (KIVI); ``format.staging_per_head`` per cached (sequence, layer, kv-head)
+        is always enough."""
         if num_pages < 1:
             raise ValueError(f"a page pool needs at least one page, not {num_pages}")
         self.num_pages = num_pages
@@ -91,7 +92,7 @@ class PagePool:
 
     def bytes_of(self, ids: torch.Tensor) -> int:
         """Bytes that the pages ``ids`` hold: each page's storage, plus a staging page for every
-        open (partly filled, still full-precision) page of a quantized format."""
+        staged (open or in the recent window, still full-precision) page of a quantized format."""
         ids = ids.reshape(-1)
         return ids.numel() * self.bytes_per_page + self.format.num_open(ids) * self.format.open_page_bytes
 
