@@ -405,7 +405,7 @@ class CacheManager:
         k = k.reshape(H, npages * P, D)[:, :T]
         v = v.reshape(H, npages * P, D)[:, :T]
         pos = pp.reshape(H, npages * P)[:, :T].clone()
-        pos[torch.arange(T, device=pos.device)[None, :] >= lengths[:, None]] = -1
+        pos.masked_fill_(torch.arange(T, device=pos.device)[None, :] >= lengths[:, None], -1)  # no mask indexing: no sync
         return k, v, pos, lengths
 
     def view_tables(self, slots: torch.Tensor, layer: int, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:

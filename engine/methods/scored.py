@@ -43,23 +43,31 @@ def mask_past_lengths(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tens
 def topk_per_head(scores: torch.Tensor, lengths: torch.Tensor, budgets) -> list[torch.Tensor]:
     """Sorted indices of the ``budgets[h]`` best tokens of each head (all of a head within budget).
 
-    One top-k over all heads at once (k = the largest budget of a head past it), then each head's
-    first ``budgets[h]``, sorted on the device: the indices reach the host in one copy. Returns one
-    1-D host tensor per head."""
+    Heads of the same length and budget (usually all of a layer) share one top-k over
+    ``scores[heads, :length]`` — per row exactly the call a head alone would make, so ties fall the
+    same way — and every head's indices reach the host in one copy. Returns one 1-D host tensor per head."""
     n = [int(x) for x in lengths.tolist()]  # lengths live on the host: no device sync
     b = [int(x) for x in budgets]
     out = [torch.arange(x) for x in n]
-    cut = [h for h in range(len(n)) if n[h] > b[h]]
-    if not cut:
+    groups: dict[tuple[int, int], list[int]] = {}
+    for h in range(len(n)):
+        if n[h] > b[h]:
+            groups.setdefault((n[h], b[h]), []).append(h)
+    if not groups:
         return out
-    K = max(b[h] for h in cut)
-    idx = mask_past_lengths(scores.float(), lengths).topk(K, dim=-1).indices  # [H, K], best first
-    if any(b[h] < K for h in cut):  # a head's own budget: the rest sorts past every index
-        per = on_device(torch.tensor([min(x, K) for x in b]), idx.device)
-        idx = idx.masked_fill(torch.arange(K, device=idx.device)[None, :] >= per[:, None], scores.shape[-1])
+    H, dev = len(n), scores.device
+    if len(groups) == 1 and len(next(iter(groups.values()))) == H:  # the usual case: one call, no gather
+        (length, k), = groups
+        idx = scores[:, :length].float().topk(k, dim=-1).indices
+    else:
+        idx = torch.full((H, max(k for _, k in groups)), scores.shape[-1], dtype=torch.int64, device=dev)
+        for (length, k), heads in groups.items():
+            rows = on_device(torch.tensor(heads), dev)
+            idx[rows, :k] = scores.index_select(0, rows)[:, :length].float().topk(k, dim=-1).indices
     idx = idx.sort(dim=-1).values.cpu()  # the one device -> host copy
-    for h in cut:
-        out[h] = idx[h, : b[h]]
+    for (_, k), heads in groups.items():
+        for h in heads:
+            out[h] = idx[h, :k]
     return out
 
 

@@ -92,7 +92,8 @@ class SnapKV(ScoredEviction):
         if tail is not None:  # the window spans the chunk before: recompute its attention
             q, end = tail
             k, _, k_pos, _ = chunk.cache.gather(chunk.seq_id, layer)
-            probs = window_probs(q, torch.arange(end - q.shape[0], end), k, k_pos, self.shape.head_dim ** -0.5)
+            probs = window_probs(q, torch.arange(end - q.shape[0], end, device=k.device), k, k_pos,
+                                 self.shape.head_dim ** -0.5)
         return snapkv_scores(probs, chunk.lengths, self.params.kernel_size, self.params.pooling)
 
     # --- optional decode-time compression -------------------------------------------------------
