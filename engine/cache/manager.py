@@ -341,7 +341,7 @@ class CacheManager:
         if need > self.pool.num_free + int(tail.sum()):
             raise OutOfPages(f"compaction needs {need} copy-on-write pages, {self.pool.num_free} free")
         dev = self.device
-        src_d = src_m.to(dev)
+        src_d = to_device(src_m, dev)  # host -> device copies below are queued, never waited for
         moved_kv = self.pool.format.take_tokens(src_d)
         moved_pos = self.pool.pos.view(-1)[src_d]
         self.pool.decref(table[tail])
@@ -355,7 +355,7 @@ class CacheManager:
             new_table[wr[shared], wc[shared]] = fresh
             self.pool.decref(old)
         if src_m.numel():
-            dst_d = (new_table[w_row, w_col] * P + dst_jm % P).to(dev)
+            dst_d = to_device(new_table[w_row, w_col] * P + dst_jm % P, dev)
             self.pool.format.put_tokens(dst_d, moved_kv)
             self.pool.pos.view(-1)[dst_d] = moved_pos
 
@@ -363,8 +363,9 @@ class CacheManager:
         self.lengths[slots, layer, heads] = cnt.to(torch.int32)
         self._bump(slots, layer)
         if self._mirrored:
-            self.tables_dev[slots.to(dev), layer, heads.to(dev), :maxp] = new_table.to(dev, torch.int32)
-            self.lengths_dev[slots.to(dev), layer, heads.to(dev)] = cnt.to(dev, torch.int32)
+            slots_d, heads_d = to_device(slots, dev), to_device(heads, dev)
+            self.tables_dev[slots_d, layer, heads_d, :maxp] = to_device(new_table.to(torch.int32), dev)
+            self.lengths_dev[slots_d, layer, heads_d] = to_device(cnt.to(torch.int32), dev)
         return self.pool.num_free - free_before
 
     # --- fork ------------------------------------------------------------------------------------
@@ -429,7 +430,7 @@ class CacheManager:
         k = k.reshape(H, npages * P, D)[:, :T]
         v = v.reshape(H, npages * P, D)[:, :T]
         pos = pp.reshape(H, npages * P)[:, :T].clone()
-        pos[torch.arange(T, device=pos.device)[None, :] >= lengths[:, None]] = -1
+        pos.masked_fill_(torch.arange(T, device=pos.device)[None, :] >= lengths[:, None], -1)  # no mask indexing: no sync
         return k, v, pos, lengths
 
     def view_tables(self, slots: torch.Tensor, layer: int, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:

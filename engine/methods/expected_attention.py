@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.lifecycle import MethodError, PrefillChunk
-from engine.methods.scored import ScoredEviction, force_keep
+from engine.methods.scored import ScoredEviction, force_keep, on_device
 
 
 @dataclass
@@ -74,12 +74,13 @@ def expected_attention_scores(k: torch.Tensor, v: torch.Tensor, lengths: torch.T
     if cov is not None:
         logits = logits + torch.einsum("htd,hde,hte->ht", kf, cov.float(), kf) / (2 * D)
     t = torch.arange(T, device=k.device)
-    n = lengths.to(k.device).repeat_interleave(G)[:, None]
+    lengths = on_device(lengths, k.device)
+    n = lengths.repeat_interleave(G)[:, None]
     logits = logits.masked_fill((t >= n) | (t < n_sink), float("-inf"))
     scores = torch.softmax(logits, dim=-1).nan_to_num(0.0).reshape(H, G, T).mean(1)
     if use_vnorm:
         scores = (scores + epsilon) * v.float().norm(dim=-1)
-    valid = t[None, :] < lengths.to(k.device)[:, None]
+    valid = t[None, :] < lengths[:, None]
     scores = scores.masked_fill(~valid, float("-inf"))
     return force_keep(scores, valid & (t < n_sink)[None, :])
 
@@ -117,8 +118,8 @@ class ExpectedAttention(ScoredEviction):
         n, s1, s2 = self._stats[(seq_id, layer)]
         mu = s1 / max(n, 1)
         table = self.shape.rope_cos.shape[0]
-        pos = torch.arange(num_tokens, num_tokens + self.params.n_future_positions).clamp(max=table - 1)
-        pos = pos.to(self.shape.rope_cos.device)
+        pos = torch.arange(num_tokens, num_tokens + self.params.n_future_positions,
+                           device=self.shape.rope_cos.device).clamp(max=table - 1)
         R = mean_rotation(self.shape.rope_cos[pos], self.shape.rope_sin[pos]).to(mu.device)
         cov = None
         if self.params.use_covariance:

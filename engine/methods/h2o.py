@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.lifecycle import ChunkInfo, DecodeBatch, MethodError, PrefillChunk
-from engine.methods.scored import ScoredEviction, force_keep, topk_per_head
+from engine.methods.scored import ScoredEviction, force_keep, on_device, topk_per_head
 
 
 @dataclass
@@ -47,7 +47,7 @@ def h2o_scores(acc: torch.Tensor, lengths: torch.Tensor, recent: int) -> torch.T
     """Accumulated attention with each head's last ``recent`` tokens forced to the top."""
     T = acc.shape[-1]
     t = torch.arange(T, device=acc.device)
-    n = lengths.to(acc.device)[:, None]
+    n = on_device(lengths, acc.device)[:, None]
     return force_keep(acc.masked_fill(t >= n, float("-inf")), (t >= n - recent) & (t < n))
 
 
@@ -83,10 +83,11 @@ class H2O(ScoredEviction):
 
     def on_kept(self, layer: int, seq_id, keep) -> None:
         acc = self._acc[(seq_id, layer)]
-        width = max(len(k) for k in keep)
-        new = torch.zeros(acc.shape[0], width, device=acc.device)
-        for h, k in enumerate(keep):
-            new[h, : len(k)] = acc[h, k.to(acc.device)]
+        heads = [torch.as_tensor(k, dtype=torch.int64).reshape(-1).cpu() for k in keep]  # host already: free
+        counts = torch.tensor([k.numel() for k in heads])
+        idx = torch.nn.utils.rnn.pad_sequence(heads, batch_first=True)  # [H, width], 0 past a head's count
+        pad = torch.arange(idx.shape[1])[None, :] >= counts[:, None]
+        new = torch.gather(acc, 1, on_device(idx, acc.device)).masked_fill(on_device(pad, acc.device), 0.0)
         self._acc[(seq_id, layer)] = new
 
     # decode: each step's attention adds to the scores; past the budget the lowest goes

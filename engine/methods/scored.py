@@ -21,36 +21,64 @@ import math
 import torch
 import torch.nn.functional as F
 
+from engine.cache.manager import to_device
 from engine.lifecycle import ChunkInfo, PrefillChunk, SparseMethod
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor (lengths, counts) on ``device`` without making the host wait for the
+    work queued there (a pinned, non-blocking copy); a device tensor as it is."""
+    if t.device.type != "cpu":
+        return t.to(device)
+    return to_device(t, device)
 
 
 def mask_past_lengths(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """``scores`` ``[H, T]`` with every position past a head's length set to -inf."""
     T = scores.shape[-1]
     t = torch.arange(T, device=scores.device)
-    return scores.masked_fill(t[None, :] >= lengths.to(scores.device)[:, None], float("-inf"))
+    return scores.masked_fill(t[None, :] >= on_device(lengths, scores.device)[:, None], float("-inf"))
 
 
 def topk_per_head(scores: torch.Tensor, lengths: torch.Tensor, budgets) -> list[torch.Tensor]:
-    """Sorted indices of the ``budgets[h]`` best tokens of each head (all of a head within budget)."""
-    scores = mask_past_lengths(scores.float(), lengths)
-    out = []
-    for h in range(scores.shape[0]):
-        n, b = int(lengths[h]), int(budgets[h])
-        if n <= b:
-            out.append(torch.arange(n))
-        else:
-            out.append(scores[h, :n].topk(b).indices.sort().values.cpu())
+    """Sorted indices of the ``budgets[h]`` best tokens of each head (all of a head within budget).
+
+    Heads of the same length and budget (usually all of a layer) share one top-k over
+    ``scores[heads, :length]`` — per row exactly the call a head alone would make, so ties fall the
+    same way — and every head's indices reach the host in one copy. Returns one 1-D host tensor per head."""
+    n = [int(x) for x in lengths.tolist()]  # lengths live on the host: no device sync
+    b = [int(x) for x in budgets]
+    out = [torch.arange(x) for x in n]
+    groups: dict[tuple[int, int], list[int]] = {}
+    for h in range(len(n)):
+        if n[h] > b[h]:
+            groups.setdefault((n[h], b[h]), []).append(h)
+    if not groups:
+        return out
+    H, dev = len(n), scores.device
+    if len(groups) == 1 and len(next(iter(groups.values()))) == H:  # the usual case: one call, no gather
+        (length, k), = groups
+        idx = scores[:, :length].float().topk(k, dim=-1).indices
+    else:
+        idx = torch.full((H, max(k for _, k in groups)), scores.shape[-1], dtype=torch.int64, device=dev)
+        for (length, k), heads in groups.items():
+            rows = on_device(torch.tensor(heads), dev)
+            idx[rows, :k] = scores.index_select(0, rows)[:, :length].float().topk(k, dim=-1).indices
+    idx = idx.sort(dim=-1).values.cpu()  # the one device -> host copy
+    for (_, k), heads in groups.items():
+        for h in heads:
+            out[h] = idx[h, :k]
     return out
 
 
 def topk_across_heads(scores: torch.Tensor, lengths: torch.Tensor, total: int, floor: int) -> list[torch.Tensor]:
     """Ada-KV's selection: each head first keeps its own ``floor`` best tokens, then one top-k over
-    the remaining scores of all heads fills the layer's ``total``; heads end up with different counts."""
+    the remaining scores of all heads fills the layer's ``total``; heads end up with different counts.
+    One device -> host copy (the keep mask); ``lengths`` are read on the host."""
     H, T = scores.shape
-    scores = mask_past_lengths(scores.float(), lengths)
     if int(lengths.sum()) <= total:
         return [torch.arange(int(n)) for n in lengths]
+    scores = mask_past_lengths(scores.float(), lengths)
     if floor > 0:
         f = min(floor, T)
         safe = scores.topk(f, dim=-1).indices
@@ -129,9 +157,14 @@ class ScoredEviction(SparseMethod):
 def force_keep(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``scores`` with the positions of the bool mask ``keep`` raised above every other score
     (later positions highest, so a budget smaller than the forced set keeps the most recent)."""
-    finite = scores[torch.isfinite(scores)]
-    top = float(finite.max()) if finite.numel() else 0.0
-    span = float(finite.max() - finite.min()) if finite.numel() else 1.0
+    if scores.numel() == 0:
+        return scores
+    finite = torch.isfinite(scores)  # top and span stay on the device: no host read
+    hi = scores.masked_fill(~finite, float("-inf")).amax()
+    lo = scores.masked_fill(~finite, float("inf")).amin()
+    some = finite.any()
+    top = torch.where(some, hi, 0.0)
+    span = torch.where(some, hi - lo, 1.0)
     ramp = torch.linspace(1.0, 2.0, scores.shape[-1], device=scores.device)
     return torch.where(keep, top + (span + 1.0) * ramp, scores)
 

@@ -27,7 +27,7 @@ import torch
 
 from engine.lifecycle import ChunkInfo, DecodeBatch, MethodError, PrefillChunk
 from engine.methods.decode_window import DecodeWindow, window_probs
-from engine.methods.scored import ScoredEviction, force_keep, pool_1d, topk_per_head
+from engine.methods.scored import ScoredEviction, force_keep, on_device, pool_1d, topk_per_head
 
 
 @dataclass
@@ -40,28 +40,21 @@ class SnapKVParams:
 
 def snapkv_scores(probs: torch.Tensor, lengths: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
     """SnapKV's score from window probabilities ``[Hq, w, T]``: ``[H, T]``, the window (the last w
-    tokens of each head) forced to the top, -inf past each head's end."""
+    tokens of each head) forced to the top, -inf past each head's end.
+
+    All heads at once: each head's prefix (its tokens before the window) is pooled as if on its own
+    — past it the row holds the pooling's own padding (0 for avgpool, -inf for maxpool)."""
     Hq, w, T = probs.shape
     H = len(lengths)
     G = Hq // H
-    Tmax = int(lengths.max())
-    scores = torch.full((H, Tmax), float("-inf"), device=probs.device)
+    Tmax = int(lengths.max())  # host lengths: no device sync
+    n = on_device(lengths, probs.device)[:, None]
+    t = torch.arange(Tmax, device=probs.device)[None, :]
+    prefix = t < (n - w).clamp(min=0)  # [H, Tmax]
     summed = probs[..., :Tmax].float().sum(1)  # [Hq, T]
-    for h in range(H):
-        n = int(lengths[h])
-        prefix = max(n - w, 0)
-        if prefix:
-            pooled = pool_1d(summed[h * G : (h + 1) * G, :prefix], kernel_size, pooling)
-            scores[h, :prefix] = pooled.mean(0)
-        window = torch.zeros(Tmax, dtype=torch.bool, device=probs.device)
-        window[prefix:n] = True
-        scores[h] = torch.where(window, float("inf"), scores[h])
-    return _rank_window(scores)
-
-
-def _rank_window(scores: torch.Tensor) -> torch.Tensor:
-    inf = torch.isinf(scores) & (scores > 0)
-    return force_keep(scores.masked_fill(inf, float("-inf")), inf)
+    summed = summed.masked_fill(~prefix.repeat_interleave(G, 0), float("-inf") if pooling == "maxpool" else 0.0)
+    pooled = pool_1d(summed, kernel_size, pooling).reshape(H, G, Tmax).mean(1)
+    return force_keep(pooled.masked_fill(~prefix, float("-inf")), ~prefix & (t < n))
 
 
 class SnapKV(ScoredEviction):
@@ -99,7 +92,8 @@ class SnapKV(ScoredEviction):
         if tail is not None:  # the window spans the chunk before: recompute its attention
             q, end = tail
             k, _, k_pos, _ = chunk.cache.gather(chunk.seq_id, layer)
-            probs = window_probs(q, torch.arange(end - q.shape[0], end), k, k_pos, self.shape.head_dim ** -0.5)
+            probs = window_probs(q, torch.arange(end - q.shape[0], end, device=k.device), k, k_pos,
+                                 self.shape.head_dim ** -0.5)
         return snapkv_scores(probs, chunk.lengths, self.params.kernel_size, self.params.pooling)
 
     # --- optional decode-time compression -------------------------------------------------------
