@@ -18,7 +18,7 @@ from typing import Hashable
 
 import torch
 
-from engine.cache.manager import CacheManager, ceil_div
+from engine.cache.manager import CacheManager, ceil_div, to_device
 from engine.cache.view import AttentionView
 from engine.controller import SparseController
 from engine.lifecycle import ChunkInfo, DecodeBatch, PrefillChunk, Selection
@@ -108,7 +108,7 @@ class PagedAttention:
         window = seg.length if scoring else self.controller.prefill_probs_window(info)
         sel = self.controller.prefill_view(layer, info)
         slots = torch.tensor([seg.slot])
-        view = self._view(slots, slots.to(self.manager.device), layer, sel)
+        view = self._view(slots, to_device(slots, self.manager.device), layer, sel)
         qpos = self.positions[seg.offset : seg.offset + seg.length]
         # quantized pages: the chunk attends its own K/V in full precision (KIVI's prefill), the
         # cached history dequantized
