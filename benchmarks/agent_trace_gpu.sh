@@ -13,7 +13,7 @@
 #    It writes $OUT/agent_trace_gpu.json (and the log); copy the JSON into benchmarks/results/,
 #    then `python benchmarks/report.py`.
 # Configurations the sidecar's registry does not have yet (snapkv, quest before they are merged)
-# are skipped with a message; CONFIGS=... overrides the list, QUICK=1 runs a small trace.
+# are skipped with a message; CONFIGS=... overrides the list, QUICK=1 runs a small trace, MEDIUM=1 a middle one.
 set -euo pipefail
 out=${OUT:-benchmarks/results}
 mkdir -p "$out"
@@ -23,7 +23,10 @@ if [ ! -f benchmarks/.tokenizer/tokenizer.json ]; then
   exit 2
 fi
 configs=${CONFIGS:-nochain,dense,snapkv,quest,dense+prune,snapkv+prune}
-if [ "${QUICK:-0}" = 1 ]; then
+if [ "${MEDIUM:-0}" = 1 ]; then  # what fits one device call (~4 min) with every configuration
+  trace=(--sessions 16 --turns 6 --concurrency 8 --system-words 1500 --tool-median 1200 --tool-sigma 0.6
+         --tool-max 4000 --output-tokens 32 --think-s 0.2)
+elif [ "${QUICK:-0}" = 1 ]; then
   trace=(--sessions 8 --turns 4 --concurrency 8 --system-words 800 --tool-median 400 --output-tokens 32 --think-s 0.1)
 else
   trace=(--sessions 32 --turns 8 --concurrency 16 --system-words 1500 --tool-median 800 --tool-sigma 0.8
