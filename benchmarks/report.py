@@ -236,6 +236,7 @@ RENDERERS = {
     "selection_overhead": selection_overhead_section,
     "quality_eviction": lambda d: quality_section(d, "eviction methods"),
     "quality_selection": lambda d: quality_section(d, "selection and quantization methods"),
+    "quality_eviction_window16": lambda d: quality_section(d, "snapkv and pyramidkv with a 16-token observation window"),
     "quant_quality": quant_section,
 }
 

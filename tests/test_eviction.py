@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.lifecycle import MethodSpec
 from engine.llm import LLMEngine
 from engine.methods import REGISTRY
+from engine.model.llama import rope_tables
 from engine.sampling import SamplingParams
 
 from tests.conftest import chat, haystack
@@ -210,12 +211,23 @@ def test_keydiff_rule(tiny_engine):
             assert kept[layer][h] == top(s[h], B)
 
 
-def test_expected_attention_rule(tiny_engine):
+@pytest.fixture(scope="module")
+def short_engine(tiny_models):
+    """The tiny model with max_model_len just above the prompt: its RoPE tables end before the
+    future positions expected_attention averages over."""
+    path, _ = tiny_models("llama")
+    return LLMEngine(EngineConfig(model=path, device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=256,
+                                  max_model_len=N + 8))
+
+
+@pytest.mark.parametrize("engine_name", ["tiny_engine", "short_engine"])
+def test_expected_attention_rule(engine_name, request):
     n_future, n_sink = 16, 2
-    engine = tiny_engine
+    engine = request.getfixturevalue(engine_name)
     seen, kept = _run(engine, MethodSpec("expected_attention", budget=B, method_args={"n_future_positions": n_future, "n_sink": n_sink}), 1)
-    cos, sin = engine.model.rope_cos.float(), engine.model.rope_sin.float()
-    D = cos.shape[-1]
+    # the rotation of positions N .. N + n_future, also those past max_model_len (the engine's tables)
+    D = engine.model.rope_cos.shape[-1]
+    cos, sin = rope_tables(engine.hf_config, D, N + n_future)
 
     def rope(x, p):  # rotate-half RoPE of row vectors x [.., D] at position p
         return x * cos[p] + torch.cat([-x[..., D // 2:], x[..., : D // 2]], -1) * sin[p]

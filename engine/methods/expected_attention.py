@@ -62,6 +62,26 @@ def mean_rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.diag(cos.float().mean(0)) + sin.float().mean(0)[:, None] * P
 
 
+def rope_at(cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the RoPE tables ``[T, D]`` at positions ``pos`` ``[F]``, also at or past their end
+    ``T`` (the tables stop at max_model_len, the future positions need not): by angle addition,
+    ``p = j (T-1) + r`` rotates ``r``'s row ``j`` times by row ``T-1``. The tables hold
+    ``s cos(p theta)``, ``s sin(p theta)`` with ``s`` (the attention scaling) = ``cos[0]``."""
+    top = int(pos.max())  # read before the move: positions come from the host (no device sync)
+    pos = pos.to(cos.device)
+    last = cos.shape[0] - 1
+    if last < 1 or top <= last:
+        return cos[pos.clamp(max=max(last, 0))], sin[pos.clamp(max=max(last, 0))]
+    s = cos[0].float()
+    j, r = pos // last, pos % last
+    c, sn = cos[r].float() / s, sin[r].float() / s
+    cl, sl = cos[last].float() / s, sin[last].float() / s
+    for step in range(top // last):
+        more = (j > step)[:, None]
+        c, sn = torch.where(more, c * cl - sn * sl, c), torch.where(more, sn * cl + c * sl, sn)
+    return c * s, sn * s
+
+
 def expected_attention_scores(k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, mu: torch.Tensor,
                               cov: torch.Tensor | None, n_sink: int, use_vnorm: bool = True,
                               epsilon: float = 0.0) -> torch.Tensor:
@@ -117,10 +137,8 @@ class ExpectedAttention(ScoredEviction):
         """Mean and covariance of the queries, rotated by the mean RoPE over the future positions."""
         n, s1, s2 = self._stats[(seq_id, layer)]
         mu = s1 / max(n, 1)
-        table = self.shape.rope_cos.shape[0]
-        pos = torch.arange(num_tokens, num_tokens + self.params.n_future_positions,
-                           device=self.shape.rope_cos.device).clamp(max=table - 1)
-        R = mean_rotation(self.shape.rope_cos[pos], self.shape.rope_sin[pos]).to(mu.device)
+        pos = torch.arange(num_tokens, num_tokens + self.params.n_future_positions)
+        R = mean_rotation(*rope_at(self.shape.rope_cos, self.shape.rope_sin, pos)).to(mu.device)
         cov = None
         if self.params.use_covariance:
             cov = s2 / max(n, 1) - mu[:, :, None] * mu[:, None, :]
