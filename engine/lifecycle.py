@@ -14,6 +14,8 @@ Hooks, in the order the engine calls them (see DESIGN.md):
 ``prefill_view(layer, chunk)``             which cached KV a prefill chunk attends (None: all)
 ``after_prefill_chunk(layer, chunk)``      keep-indices per kv-head after a chunk's attention
 ``decode_view(layer, batch)``              pages / tokens each head reads this decode step
+``graph_decode()`` / ``prepare_graph_decode``  optional: the decode selection can run inside the
+``graph_decode_view(layer, ...)``           decode CUDA graph (device-only, static shapes; Quest)
 ``after_decode(layer, batch)``             keep-indices after a decode step (scores in batch)
 ``scoring_pass(seq, token_ids, tokenizer)``  a turn's input is in: ask for an extra forward pass
                                            over token ids whose attention the method reads
@@ -38,6 +40,12 @@ whole cache and the segment itself, causally), hands every chunk of it to ``obse
 with the probabilities of all its queries, and removes the segment's KV again before the next
 segment, so the pass leaves the cache and the pool as they were. Then ``after_scoring`` returns
 the method's keep decisions, applied like any other.
+
+CUDA graphs: a decode step whose methods need no hooks replays a captured graph. A method whose
+``decode_view`` is pure device work with shapes fixed by the cache (no host reads) says so with
+``graph_decode()``; when every row of a batch uses it, the graph is captured with its
+``graph_decode_view`` in every layer (reading the cache's full-width page tables), and
+``prepare_graph_decode`` runs the method's host-side checks before each replay.
 
 Physical indices: within one (sequence, layer, kv-head), tokens sit in arrival order and eviction
 keeps that order, so index ``i`` is the i-th oldest token the head still holds. Their original
