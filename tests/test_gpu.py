@@ -92,3 +92,35 @@ def test_gpu_streaming_eviction_and_sessions(tiny_models):
         outs += [o for o in engine.step() if o.finished]
     ref = engine.generate([prompt[:100] + t1 + prompt[100:150]], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     assert outs[0].token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_second_turn_after_uneven_head_eviction(tiny_models, dtype):
+    """adakv leaves kv-heads with different lengths; a second turn's prompt logits (teacher-forced,
+    as benchmarks/quality.py reads them) must stay finite and, in float32, match the CPU engine.
+    On the H200 with SmolLM2 (bf16) quality.py read NaN here (2026-12-03, issue 3): this is the
+    small-model form of that check."""
+    path, _ = tiny_models("llama")
+    gen = torch.Generator().manual_seed(11)
+    first = torch.randint(0, 320, (400,), generator=gen).tolist()
+    second = torch.randint(0, 320, (60,), generator=gen).tolist()
+    spec = MethodSpec("adakv", budget=64)
+    engines = {"cuda": _engine(path, dtype=dtype)}
+    if dtype == "float32":
+        engines["cpu"] = LLMEngine(EngineConfig(model=path, num_pages=8192, prefill_chunk_size=96,
+                                                max_num_batched_tokens=512))
+    logits = {}
+    for name, eng in engines.items():
+        eng.add_turn("s", first, SamplingParams(max_tokens=1), method=spec)
+        while eng.has_unfinished():
+            eng.step()
+        eng.add_turn("s", second, SamplingParams(max_tokens=1, prompt_logits=True), method=spec)
+        seq = eng._seqs["s"]
+        while eng.has_unfinished():
+            eng.step()
+        logits[name] = torch.cat(seq.prompt_logits).float()
+        pool = eng.manager.pool
+        assert bool(torch.isfinite(pool.k).all()) and bool(torch.isfinite(pool.v).all())
+    assert bool(torch.isfinite(logits["cuda"]).all())
+    if "cpu" in logits:
+        assert float((logits["cuda"] - logits["cpu"]).abs().max()) <= 1e-2
