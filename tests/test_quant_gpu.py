@@ -17,6 +17,8 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.llm import LLMEngine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
+from tests.conftest import run_turn  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
 # kivi with a short residual window (R = 32), so that most of the 150-token prompt is read quantized
@@ -94,22 +96,15 @@ def test_gpu_kivi_sessions_fork_and_snapshot(tiny_models):
     a, b = torch.randint(0, 320, (9,), generator=g).tolist(), torch.randint(0, 320, (11,), generator=g).tolist()
     params = SamplingParams(max_tokens=6, ignore_eos=True)
 
-    def turn(sid, tokens):
-        eng.add_turn(sid, tokens, params)
-        while True:
-            for out in eng.step():
-                if out.request_id == sid and out.finished:
-                    return out
-
-    turn("p", t0)
+    run_turn(eng, "p", t0, params)
     blob = eng.snapshot_session("p").to_bytes()
     eng.fork_session("p", "c")
-    pa, cb = turn("p", a), turn("c", b)
+    pa, cb = run_turn(eng, "p", a, params), run_turn(eng, "c", b, params)
     for sid, tokens, expect in (("p2", a, pa), ("c2", b, cb)):
         snap = SessionSnapshot.from_bytes(blob)
         snap.meta["session_id"] = sid
         eng.load_session(snap)
-        assert turn(sid, tokens).token_ids == expect.token_ids
+        assert run_turn(eng, sid, tokens, params).token_ids == expect.token_ids
     for sid in ("p", "c", "p2", "c2"):
         eng.end_session(sid)
     assert eng.pool.num_used == 0

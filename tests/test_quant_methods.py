@@ -26,6 +26,8 @@ from engine.lifecycle import MethodError, MethodSpec
 from engine.llm import LLMEngine
 from engine.sampling import SamplingParams
 
+from tests.conftest import first_turn, next_turn, run_turn
+
 pytestmark = pytest.mark.slow
 
 N_TOKENS = 64
@@ -128,24 +130,6 @@ def forced_decode(engine, ids: list[int], tokens: list[int]) -> torch.Tensor:
     return torch.stack(seq.step_logits)
 
 
-def first_turn(engine, text: str) -> list[int]:
-    return engine.apply_chat_template([{"role": "user", "content": text}])
-
-
-def next_turn(engine, text: str) -> list[int]:
-    return engine.encode(f"\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
-
-
-def run_turn(engine, sid, tokens, params=GREEDY, **kw):
-    engine.add_turn(sid, tokens, params, **kw)
-    final = None
-    while final is None:
-        for out in engine.step():
-            if out.request_id == sid and out.finished:
-                final = out
-    return final
-
-
 @pytest.mark.parametrize("name", ["kivi4", "fp8"])
 def test_agrees_with_dense_over_64_greedy_tokens(name, dense_reference, request):
     """kivi at 4 bits without a residual window (every full page read quantized) and fp8 (e4m3)."""
@@ -229,11 +213,11 @@ def test_fork_and_snapshot_restore_with_quantized_pages(kivi2_r0):
     used0 = engine.pool.num_used
     staged0 = getattr(engine.pool.format, "num_staging_free", None)
     t0 = first_turn(engine, "Let's plan a trip. Suggest a city.")
-    run_turn(engine, "p", t0)
+    run_turn(engine, "p", t0, GREEDY)
     blob = engine.snapshot_session("p").to_bytes()
     engine.fork_session("p", "c")  # shares every page, the open (full-precision) ones included
     a, b = next_turn(engine, "Somewhere warm, please."), next_turn(engine, "Somewhere cold, please.")
-    pa, cb = run_turn(engine, "p", a), run_turn(engine, "c", b)
+    pa, cb = run_turn(engine, "p", a, GREEDY), run_turn(engine, "c", b, GREEDY)
     assert cb.counters.reused_tokens == pa.counters.reused_tokens
     # the same turns on sessions restored from the snapshot bytes give the same tokens: the fork's
     # copy-on-write kept parent and child apart, and restore re-quantizes the pages losslessly
@@ -241,7 +225,7 @@ def test_fork_and_snapshot_restore_with_quantized_pages(kivi2_r0):
         snap = SessionSnapshot.from_bytes(blob)
         snap.meta["session_id"] = sid
         engine.load_session(snap)
-        again = run_turn(engine, sid, turn)
+        again = run_turn(engine, sid, turn, GREEDY)
         assert again.source_tier == "store" and again.counters.prefilled_tokens == len(turn) + 1
         assert again.token_ids == expect.token_ids
     for sid in ("p", "c", "p2", "c2"):
@@ -253,7 +237,7 @@ def test_fork_and_snapshot_restore_with_quantized_pages(kivi2_r0):
 def test_abort_rolls_back_quantized_pages(kivi2_r0):
     eng = kivi2_r0
     t0 = first_turn(eng, "Hello there.")
-    out = run_turn(eng, "ab", t0)
+    out = run_turn(eng, "ab", t0, GREEDY)
     hist = t0 + out.token_ids
     digest = eng.session_info("ab")["digest"]
     eng.add_turn("ab", next_turn(eng, "Count to fifty."), SamplingParams(max_tokens=40))
@@ -263,7 +247,7 @@ def test_abort_rolls_back_quantized_pages(kivi2_r0):
     assert eng.session_info("ab")["digest"] == digest
     assert eng.manager.seq_lengths("ab").max() <= len(hist)
     nxt = next_turn(eng, "What is your name?")
-    again = run_turn(eng, "ab", nxt)
+    again = run_turn(eng, "ab", nxt, GREEDY)
     assert again.counters.reused_tokens >= len(hist) - 1 and again.counters.prefilled_tokens <= len(nxt) + 1
     eng.end_session("ab")
 
@@ -283,7 +267,7 @@ def test_unsupported_combinations_are_clear_errors(kivi2, smol_engine):
     with pytest.raises(AttributeError, match="no plain K tensor"):
         kivi2.pool.k
     # a quantized session's snapshot cannot be resumed by an engine whose pool is plain
-    run_turn(kivi2, "q", ids)
+    run_turn(kivi2, "q", ids, GREEDY)
     snap = kivi2.snapshot_session("q")
     kivi2.end_session("q")
     with pytest.raises(MethodError, match=r"method 'kivi' stores KV as kivi\(bits=2.*holds plain pages"):
