@@ -17,6 +17,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.llm import LLMEngine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
+from benchmarks.quant_quality import forced_decode  # noqa: E402
 from tests.conftest import run_turn  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -30,19 +31,6 @@ def _engine(path, device, method="dense", args=None, **kw):
     return LLMEngine(EngineConfig(model=path, device=device, dtype="float32", method=method, method_args=args or {},
                                   num_pages=4096, page_size=16, prefill_chunk_size=64, max_num_batched_tokens=256,
                                   max_num_seqs=4, max_cached_seqs=8, **kw))
-
-
-def forced_decode(engine, ids, tokens):
-    """Step logits while decoding ``tokens`` (each step's sampled token replaced by the given one)."""
-    rid = engine.add_request(ids, SamplingParams(max_tokens=len(tokens), ignore_eos=True, return_logits=True))
-    seq = engine._seqs[rid]
-    done = 0
-    while done < len(tokens):
-        engine.step()
-        if len(seq.output_ids) > done:
-            seq.token_ids[-1] = tokens[done]
-            done += 1
-    return torch.stack(seq.step_logits).float()
 
 
 @pytest.mark.parametrize("method,args", CASES)

@@ -26,6 +26,7 @@ from engine.lifecycle import MethodError, MethodSpec
 from engine.llm import LLMEngine
 from engine.sampling import SamplingParams
 
+from benchmarks.quant_quality import agreement, forced_decode
 from tests.conftest import first_turn, next_turn, run_turn
 
 pytestmark = pytest.mark.slow
@@ -99,42 +100,20 @@ def long_reference(smol_engine):
     return ids, out.token_ids, out.step_logits
 
 
-def agreement(engine, reference, name: str) -> tuple[float, torch.Tensor, int]:
+def agreement_with_dense(engine, reference, name: str) -> tuple[float, torch.Tensor, int]:
     """Top-1 agreement with the dense tokens, per-step KL(dense || engine), free-running prefix."""
     ids, tokens, dense_logits = reference
-    logits = forced_decode(engine, ids, tokens)
-    top1 = logits.argmax(-1)
-    agree = (top1 == torch.tensor(tokens)).float().mean().item()
-    lp, lq = torch.log_softmax(dense_logits.float(), -1), torch.log_softmax(logits.float(), -1)
-    kl = (lp.exp() * (lp - lq)).sum(-1)
-    mismatch = (top1 != torch.tensor(tokens)).nonzero().flatten().tolist()
-    prefix = mismatch[0] if mismatch else len(tokens)  # free-running generation equals dense up to here
+    agree, kl, prefix = agreement(dense_logits, forced_decode(engine, ids, tokens), tokens)
     print(f"\n{name}: top-1 agreement {agree:.4f} over {len(tokens)} tokens ({len(ids)} prompt tokens), "
           f"KL(dense||{name}) mean {kl.mean():.4f} max {kl.max():.4f}, free-running identical for the first {prefix} tokens")
     return agree, kl, prefix
-
-
-def forced_decode(engine, ids: list[int], tokens: list[int]) -> torch.Tensor:
-    """Decode ``tokens`` one step at a time (teacher forcing: after each step the sampled token is
-    replaced by the reference's), returning each step's logits ``[len(tokens), V]``. The
-    quantized cache is read by decode attention exactly as in free-running generation; position i
-    is the free-running token whenever positions before it agreed."""
-    rid = engine.add_request(ids, SamplingParams(max_tokens=len(tokens), ignore_eos=True, return_logits=True))
-    seq = engine._seqs[rid]
-    done = 0
-    while done < len(tokens):
-        engine.step()
-        if len(seq.output_ids) > done:
-            seq.token_ids[-1] = tokens[done]
-            done += 1
-    return torch.stack(seq.step_logits)
 
 
 @pytest.mark.parametrize("name", ["kivi4", "fp8"])
 def test_agrees_with_dense_over_64_greedy_tokens(name, dense_reference, request):
     """kivi at 4 bits without a residual window (every full page read quantized) and fp8 (e4m3)."""
     engine = request.getfixturevalue(name)
-    agree, kl, _ = agreement(engine, dense_reference, name)
+    agree, kl, _ = agreement_with_dense(engine, dense_reference, name)
     assert agree >= 0.95
     assert kl.mean() < 0.02
     assert not engine.pool.format.plain
@@ -147,8 +126,8 @@ def test_kivi2_with_the_papers_residual_window(kivi2, kivi2_r0, long_reference):
     Most of the remaining loss is the 2-bit keys (see docs/benchmarks.md)."""
     ids, tokens, _ = long_reference
     assert len(ids) + len(tokens) >= 3 * kivi2.pool.format.residual_length  # most tokens are quantized
-    agree, kl, _ = agreement(kivi2, long_reference, "kivi2 R=128")
-    agree0, kl0, _ = agreement(kivi2_r0, long_reference, "kivi2 R=0")
+    agree, kl, _ = agreement_with_dense(kivi2, long_reference, "kivi2 R=128")
+    agree0, kl0, _ = agreement_with_dense(kivi2_r0, long_reference, "kivi2 R=0")
     assert agree >= 0.8 and kl.mean() < 0.12
     assert agree0 < agree and kl0.mean() > 2 * kl.mean()
 
