@@ -71,7 +71,52 @@ class RetryPolicy:
 
 
 def _retryable(code: grpc.StatusCode, attempt: int) -> bool:
+    """Whether a failure of 0-based ``attempt`` with ``code`` may be retried (see the module docstring)."""
     return code is grpc.StatusCode.UNAVAILABLE or (code is grpc.StatusCode.ABORTED and attempt > 0)
+
+
+# session RPCs are safe to repeat except these two (a repeat would fork or prune twice)
+_NOT_REPEATABLE = ("ForkSession", "PruneHistory")
+
+
+class _Attempts:
+    """The retry state of one logical call, shared by the sync and asyncio clients: one deadline over all
+    attempts (``timeout_s``, else the client's), the options each attempt is sent with, and whether and
+    after how long a failed attempt is retried (``repeatable``: the call may be sent again, i.e. a Turn
+    with a request_id or an idempotent session RPC; the error is retryable; attempts and deadline left)."""
+
+    def __init__(self, client: "_Base", timeout_s: float | None, repeatable: bool):
+        t = client.timeout_s if timeout_s is None else timeout_s
+        self.deadline = None if t is None else time.monotonic() + t
+        self.policy, self.metadata, self.repeatable = client.retry, client.metadata, repeatable
+        self.count = 0
+
+    def next(self) -> dict[str, Any]:
+        """Start an attempt: the stub call's keyword arguments (what is left of the deadline, the auth
+        metadata, and wait_for_ready on retries so a reconnecting channel is waited for)."""
+        self.count += 1
+        left = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        return {"timeout": left, "metadata": self.metadata, "wait_for_ready": self.count > 1}
+
+    def backoff_after(self, e: grpc.RpcError) -> float:
+        """The seconds to wait before retrying the attempt that failed with ``e``; raises ChainKVError
+        (with the number of attempts made) when ``e`` is final."""
+        attempt = self.count - 1
+        wait = None
+        if self.repeatable and _retryable(e.code(), attempt) and attempt + 1 < self.policy.max_attempts:
+            wait = self.policy.backoff(attempt + 1)
+            if self.deadline is not None and time.monotonic() + wait >= self.deadline:
+                wait = None
+        if wait is None:
+            raise ChainKVError(e.code(), e.details() or "", self.count) from None
+        return wait
+
+
+def _final_result(result: TurnResult | None) -> TurnResult:
+    """The TurnResult a ``turn`` call collected, or INTERNAL when the stream had none."""
+    if result is None:
+        raise ChainKVError(grpc.StatusCode.INTERNAL, "the stream ended without a completion")
+    return result
 
 
 def build_turn_request(session_id: str, messages: Iterable[MessageLike], *, tools: Sequence[ToolLike] = (),
@@ -175,23 +220,12 @@ class _Base:
         with open(self._tls_ca, "rb") as f:
             return grpc.ssl_channel_credentials(f.read())
 
-    def _deadline(self, timeout_s: float | None) -> float | None:
-        t = self.timeout_s if timeout_s is None else timeout_s
-        return None if t is None else time.monotonic() + t
+    def _turn_attempts(self, req: pb.TurnRequest, timeout_s: float | None) -> _Attempts:
+        """A Turn is retried only with a request_id (the server then replays instead of running twice)."""
+        return _Attempts(self, timeout_s, repeatable=bool(req.request_id))
 
-    @staticmethod
-    def _left(deadline: float | None) -> float | None:
-        return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-    def _give_up(self, e: grpc.RpcError, attempt: int, deadline: float | None, request_id: str) -> float | None:
-        """The backoff before the next attempt, or None when the error is final."""
-        code = e.code()
-        if not request_id or not _retryable(code, attempt) or attempt + 1 >= self.retry.max_attempts:
-            return None
-        wait = self.retry.backoff(attempt + 1)
-        if deadline is not None and time.monotonic() + wait >= deadline:
-            return None
-        return wait
+    def _unary_attempts(self, method: str, timeout_s: float | None) -> _Attempts:
+        return _Attempts(self, timeout_s, repeatable=method not in _NOT_REPEATABLE)
 
 
 class ChainKVClient(_Base):
@@ -222,23 +256,19 @@ class ChainKVClient(_Base):
         """Run one turn, yielding TextDelta and ToolCall events as they arrive, then the TurnResult."""
         req = build_turn_request(session_id, messages, tools=tools, request_id=request_id,
                                  expected_turn_index=expected_turn_index, **options)
-        return self._stream(req, self._deadline(timeout_s))
+        return self._stream(req, self._turn_attempts(req, timeout_s))
 
-    def _stream(self, req: pb.TurnRequest, deadline: float | None) -> Iterator[TurnEvent]:
+    def _stream(self, req: pb.TurnRequest, attempts: _Attempts) -> Iterator[TurnEvent]:
         resume = _Resume()
         while True:
             resume.new_attempt()
-            call = self.stub.Turn(req, timeout=self._left(deadline), metadata=self.metadata,
-                                  wait_for_ready=resume.attempts > 1)
+            call = self.stub.Turn(req, **attempts.next())
             try:
                 for event in call:
                     yield from resume.feed(event)
                 return
             except grpc.RpcError as e:
-                wait = self._give_up(e, resume.attempts - 1, deadline, req.request_id)
-                if wait is None:
-                    raise ChainKVError(e.code(), e.details() or "", resume.attempts) from None
-                time.sleep(wait)
+                time.sleep(attempts.backoff_after(e))
             finally:
                 call.cancel()  # a consumer that stops early cancels the turn (the server rolls it back)
 
@@ -248,25 +278,16 @@ class ChainKVClient(_Base):
         for event in self.stream_turn(session_id, messages, **kw):
             if isinstance(event, TurnResult):
                 result = event
-        if result is None:
-            raise ChainKVError(grpc.StatusCode.INTERNAL, "the stream ended without a completion")
-        return result
+        return _final_result(result)
 
     # --- sessions ------------------------------------------------------------------------------
     def _unary(self, method: str, request, timeout_s: float | None):
-        deadline = self._deadline(timeout_s)
-        attempt = 0
+        attempts = self._unary_attempts(method, timeout_s)
         while True:
             try:
-                return getattr(self.stub, method)(request, timeout=self._left(deadline), metadata=self.metadata,
-                                                  wait_for_ready=attempt > 0)
+                return getattr(self.stub, method)(request, **attempts.next())
             except grpc.RpcError as e:
-                # session RPCs are safe to repeat except ForkSession and PruneHistory
-                wait = self._give_up(e, attempt, deadline, "" if method in ("ForkSession", "PruneHistory") else "x")
-                if wait is None:
-                    raise ChainKVError(e.code(), e.details() or "", attempt + 1) from None
-                attempt += 1
-                time.sleep(wait)
+                time.sleep(attempts.backoff_after(e))
 
     def get_session(self, session_id: str, timeout_s: float | None = None) -> pb.Session:
         return self._unary("GetSession", pb.GetSessionRequest(session_id=session_id), timeout_s)
@@ -317,22 +338,18 @@ class AsyncChainKVClient(_Base):
                           timeout_s: float | None = None, **options: Any) -> AsyncIterator[TurnEvent]:
         req = build_turn_request(session_id, messages, tools=tools, request_id=request_id,
                                  expected_turn_index=expected_turn_index, **options)
-        deadline = self._deadline(timeout_s)
+        attempts = self._turn_attempts(req, timeout_s)
         resume = _Resume()
         while True:
             resume.new_attempt()
-            call = self.stub.Turn(req, timeout=self._left(deadline), metadata=self.metadata,
-                                  wait_for_ready=resume.attempts > 1)
+            call = self.stub.Turn(req, **attempts.next())
             try:
                 async for event in call:
                     for out in resume.feed(event):
                         yield out
                 return
             except grpc.RpcError as e:
-                wait = self._give_up(e, resume.attempts - 1, deadline, req.request_id)
-                if wait is None:
-                    raise ChainKVError(e.code(), e.details() or "", resume.attempts) from None
-                await asyncio.sleep(wait)
+                await asyncio.sleep(attempts.backoff_after(e))
             finally:
                 call.cancel()
 
@@ -341,23 +358,15 @@ class AsyncChainKVClient(_Base):
         async for event in self.stream_turn(session_id, messages, **kw):
             if isinstance(event, TurnResult):
                 result = event
-        if result is None:
-            raise ChainKVError(grpc.StatusCode.INTERNAL, "the stream ended without a completion")
-        return result
+        return _final_result(result)
 
     async def _unary(self, method: str, request, timeout_s: float | None):
-        deadline = self._deadline(timeout_s)
-        attempt = 0
+        attempts = self._unary_attempts(method, timeout_s)
         while True:
             try:
-                return await getattr(self.stub, method)(request, timeout=self._left(deadline), metadata=self.metadata,
-                                                        wait_for_ready=attempt > 0)
+                return await getattr(self.stub, method)(request, **attempts.next())
             except grpc.RpcError as e:
-                wait = self._give_up(e, attempt, deadline, "" if method in ("ForkSession", "PruneHistory") else "x")
-                if wait is None:
-                    raise ChainKVError(e.code(), e.details() or "", attempt + 1) from None
-                attempt += 1
-                await asyncio.sleep(wait)
+                await asyncio.sleep(attempts.backoff_after(e))
 
     async def get_session(self, session_id: str, timeout_s: float | None = None) -> pb.Session:
         return await self._unary("GetSession", pb.GetSessionRequest(session_id=session_id), timeout_s)

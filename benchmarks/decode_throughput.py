@@ -21,7 +21,9 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -42,12 +44,47 @@ SHAPES = {
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
 }
-# method -> (spec for a 2,048-token budget, extra method args)
+
+
+def uniform_lengths(engine: LLMEngine, kept: int, ctx: int) -> int:
+    """Every (layer, kv-head) of a synthetic row holds the ``kept`` tokens the method keeps per head."""
+    return kept
+
+
+def adakv_lengths(engine: LLMEngine, budget: int, seed: int = 0) -> torch.Tensor:
+    """Per-head counts like Ada-KV leaves them: uneven across heads, floor 20% of the budget, each layer
+    summing to num_kv_heads * budget."""
+    L, H = engine.shape.num_layers, engine.shape.num_kv_heads
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(L, H, generator=g) + 0.2
+    floor = int(0.2 * budget)
+    spare = H * budget - H * floor
+    extra = (w / w.sum(-1, keepdim=True) * spare).floor().long()
+    extra[:, 0] += spare - extra.sum(-1)
+    return floor + extra
+
+
+def adaptive_lengths(engine: LLMEngine, kept: int, ctx: int) -> torch.Tensor:
+    """Ada-KV's uneven split of the ``kept`` tokens per head (``adakv_lengths``), none past the context."""
+    return adakv_lengths(engine, kept).clamp(max=ctx - 1)
+
+
+@dataclass(frozen=True)
+class BenchMethod:
+    """A method as this benchmark runs it. ``spec(budget)``: its MethodSpec for a token budget (2,048 by
+    default), with any extra method args; ``head_lengths(engine, kept, ctx)``: the per-(layer, kv-head)
+    cache lengths a synthetic row fills, given the ``kept`` tokens per head the method reports
+    (``SparseMethod.kept_tokens``): an int (every head alike) or an ``[L, H]`` tensor."""
+
+    spec: Callable[[int], MethodSpec]
+    head_lengths: Callable[[LLMEngine, int, int], int | torch.Tensor] = uniform_lengths
+
+
 METHOD_SPECS = {
-    "snapkv": lambda b: MethodSpec("snapkv", budget=b),
-    "quest": lambda b: MethodSpec("quest", budget=b),
-    "streaming_llm": lambda b: MethodSpec("streaming_llm", budget=b, method_args={"slack": 32}),
-    "adakv": lambda b: MethodSpec("adakv", budget=b),
+    "snapkv": BenchMethod(lambda b: MethodSpec("snapkv", budget=b)),
+    "quest": BenchMethod(lambda b: MethodSpec("quest", budget=b)),
+    "streaming_llm": BenchMethod(lambda b: MethodSpec("streaming_llm", budget=b, method_args={"slack": 32})),
+    "adakv": BenchMethod(lambda b: MethodSpec("adakv", budget=b), head_lengths=adaptive_lengths),
 }
 
 
@@ -172,19 +209,6 @@ def synthetic_row(engine, method: str, spec: MethodSpec | None, batch: int, ctx:
             "graph_steps": engine.runner.graph_steps}
 
 
-def adakv_lengths(engine, budget: int, seed: int = 0) -> torch.Tensor:
-    """Per-head counts like Ada-KV leaves them: uneven across heads, floor 20% of the budget, each layer
-    summing to num_kv_heads * budget."""
-    L, H = engine.shape.num_layers, engine.shape.num_kv_heads
-    g = torch.Generator().manual_seed(seed)
-    w = torch.rand(L, H, generator=g) + 0.2
-    floor = int(0.2 * budget)
-    spare = H * budget - H * floor
-    extra = (w / w.sum(-1, keepdim=True) * spare).floor().long()
-    extra[:, 0] += spare - extra.sum(-1)
-    return floor + extra
-
-
 def real_prefill_row(engine, method: str, spec: MethodSpec | None, batch: int, ctx: int, steps: int, bw: float):
     params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
     gen = torch.Generator().manual_seed(1)
@@ -268,9 +292,9 @@ def main() -> None:
         if m not in REGISTRY:
             print(f"  {m}: not implemented in this checkout, skipped")
             continue
-        spec = METHOD_SPECS[m](args.budget)
+        spec = METHOD_SPECS[m].spec(args.budget)
         kept = engine.controller.method_for(spec).kept_tokens(ctx - 1)  # what the method holds per head
-        kv = adakv_lengths(engine, kept).clamp(max=ctx - 1) if m == "adakv" else kept
+        kv = METHOD_SPECS[m].head_lengths(engine, kept, ctx)
         B = max_batch(engine, kept, steps)
         for batch in sorted({B, 4}, reverse=True):
             if batch < 1 or batch > B:
@@ -281,7 +305,7 @@ def main() -> None:
             print(f"  {m} batch {batch}: {rows[-1]['step_ms']:.2f} ms/step, {rows[-1]['tokens_per_s']:.0f} tok/s")
     if not args.no_real_prefill:
         for m in ["dense"] + [m for m in methods if m in REGISTRY]:
-            spec = None if m == "dense" else METHOD_SPECS[m](args.budget)
+            spec = None if m == "dense" else METHOD_SPECS[m].spec(args.budget)
             rows.append(real_prefill_row(engine, m, spec, 1, ctx, steps, bw))
             finish(args, bw, dense_max, hf, rows, out)
             print(f"  {m} real prefill: {rows[-1]['prefill_s']:.1f} s prefill, {rows[-1]['step_ms']:.2f} ms/step, "

@@ -39,7 +39,7 @@ def main() -> None:
     cfg_dir = write_config(args.shape, args.context)
     engine = LLMEngine(EngineConfig(model=cfg_dir, page_size=32, max_model_len=args.context + 1024, max_num_seqs=512,
                                     gpu_memory_utilization=0.93), random_weights=True)
-    spec = None if args.method == "dense" else METHOD_SPECS[args.method](args.budget)
+    spec = None if args.method == "dense" else METHOD_SPECS[args.method].spec(args.budget)
     kv = args.kv or (args.context - 1 if spec is None else engine.controller.method_for(spec).kept_tokens(args.context - 1))
     graphs = engine.runner.graphs
     for B in args.batch:

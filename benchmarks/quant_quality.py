@@ -40,6 +40,11 @@ METHODS = [("kivi", {"bits": 2, "residual_length": 0}), ("kivi", {"bits": 2, "re
 
 
 def forced_decode(engine: LLMEngine, ids: list[int], tokens: list[int]) -> torch.Tensor:
+    """Decode ``tokens`` after the prompt ``ids`` one step at a time (teacher forcing: after each step the
+    sampled token is replaced by the reference's), returning each step's logits ``[len(tokens), V]`` in
+    float32. The quantized cache is read by decode attention exactly as in free-running generation;
+    position i is the free-running token whenever positions before it agreed. Also used by
+    tests/test_quant_methods.py and tests/test_quant_gpu.py."""
     rid = engine.add_request(ids, SamplingParams(max_tokens=len(tokens), ignore_eos=True, return_logits=True))
     seq = engine._seqs[rid]
     done = 0
@@ -49,6 +54,18 @@ def forced_decode(engine: LLMEngine, ids: list[int], tokens: list[int]) -> torch
             seq.token_ids[-1] = tokens[done]
             done += 1
     return torch.stack(seq.step_logits).float()
+
+
+def agreement(ref_logits: torch.Tensor, logits: torch.Tensor, tokens: list[int]) -> tuple[float, torch.Tensor, int]:
+    """Compare teacher-forced ``logits`` with the reference's (``ref_logits``, which generated ``tokens``
+    greedily): top-1 agreement with ``tokens``, per-step KL(reference || logits), and the free-running
+    prefix (how many tokens a free-running generation reproduces before the first disagreement)."""
+    ref, logits, want = ref_logits.float().cpu(), logits.float().cpu(), torch.tensor(tokens)
+    top1 = logits.argmax(-1)
+    lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(logits, -1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    miss = (top1 != want).nonzero().flatten().tolist()
+    return float((top1 == want).float().mean()), kl, miss[0] if miss else len(tokens)
 
 
 def session_bytes(engine: LLMEngine, ids: list[int], n: int) -> tuple[float, int]:
@@ -86,15 +103,9 @@ def main() -> None:
         label = method + "".join(f" {k}={v}" for k, v in args.items())
         per, ctx = session_bytes(eng, refs["design_qa"][0], a.tokens)
         for name, (ids, tokens, ref_logits) in refs.items():
-            logits = forced_decode(eng, ids, tokens).cpu()
-            top1 = logits.argmax(-1)
-            lp, lq = torch.log_softmax(ref_logits.cpu(), -1), torch.log_softmax(logits, -1)
-            kl = (lp.exp() * (lp - lq)).sum(-1)
-            miss = (top1 != torch.tensor(tokens)).nonzero().flatten().tolist()
-            rows.append({"method": label, "prompt": name, "prompt_tokens": len(ids),
-                         "agreement": float((top1 == torch.tensor(tokens)).float().mean()),
-                         "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
-                         "free_running_prefix": miss[0] if miss else a.tokens,
+            agree, kl, prefix = agreement(ref_logits, forced_decode(eng, ids, tokens), tokens)
+            rows.append({"method": label, "prompt": name, "prompt_tokens": len(ids), "agreement": agree,
+                         "kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "free_running_prefix": prefix,
                          "bytes_per_token": per, "x_bf16": per / bf16, "context_per_head": ctx})
             print(json.dumps(rows[-1]), f"({time.time() - t0:.1f}s)", flush=True)
         del eng

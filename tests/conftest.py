@@ -85,3 +85,26 @@ def chat(engine, text: str) -> list[int]:
 def haystack(n_items: int) -> str:
     colors = ["red", "blue", "green", "yellow", "purple"]
     return " ".join(f"Item {i} is a {colors[i * 7 % 5]} ball." for i in range(n_items))
+
+
+def first_turn(engine, text: str, system: str | None = None) -> list[int]:
+    """A session's first turn in the engine's chat template: an optional system message, then ``text`` as user."""
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return engine.apply_chat_template(msgs)
+
+
+def next_turn(engine, text: str, role: str = "user") -> list[int]:
+    """The tokens that follow an assistant reply (which ends with <|im_end|>) in ChatML: ``text`` as ``role``,
+    then the assistant header."""
+    return engine.encode(f"\n<|im_start|>{role}\n{text}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def run_turn(engine, sid: str, tokens: list[int], params, **kw):
+    """Add ``tokens`` as session ``sid``'s next turn (``kw`` goes to ``add_turn``: method, turn_index, ...) and
+    step the engine until that session's request finishes; returns its final output. Other requests in flight
+    step along."""
+    engine.add_turn(sid, tokens, params, **kw)
+    while True:
+        for out in engine.step():
+            if out.request_id == sid and out.finished:
+                return out

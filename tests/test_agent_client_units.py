@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from agent_adapters.client import StreamDiverged, _Resume, build_turn_request
+from agent_adapters.client import ChainKVError, RetryPolicy, StreamDiverged, _Attempts, _Resume, build_turn_request
 from agent_adapters.ledger import SessionLedger, session_id_for
 from agent_adapters.messages import ChatMessage, TextDelta, ToolCall, TurnResult, Usage
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
@@ -73,3 +73,54 @@ def test_turn_requests_take_engine_names_and_reject_unknown_options():
     assert build_turn_request("s", [{"role": "user", "content": "x"}], request_id="").request_id == ""
     with pytest.raises(TypeError):
         build_turn_request("s", [{"role": "user", "content": "x"}], max_token=4)
+
+
+class _Failed(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode):
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return "failed"
+
+
+class _Client:
+    """What _Attempts reads of a client."""
+
+    def __init__(self, timeout_s=None, max_attempts: int = 3):
+        self.timeout_s, self.metadata = timeout_s, (("authorization", "Bearer t"),)
+        self.retry = RetryPolicy(max_attempts=max_attempts, initial_backoff_s=0.1, max_backoff_s=0.3)
+
+
+def test_attempts_retry_unavailable_then_aborted_up_to_max_attempts():
+    a = _Attempts(_Client(), None, repeatable=True)
+    first = a.next()
+    assert first["wait_for_ready"] is False and first["timeout"] is None and first["metadata"] == _Client().metadata
+    with pytest.raises(ChainKVError) as e:
+        a.backoff_after(_Failed(grpc.StatusCode.ABORTED))  # ABORTED on the first attempt is final
+    assert e.value.code is grpc.StatusCode.ABORTED and e.value.attempts == 1
+    a = _Attempts(_Client(), None, repeatable=True)
+    a.next()
+    assert 0.05 <= a.backoff_after(_Failed(grpc.StatusCode.UNAVAILABLE)) <= 0.1  # jittered initial backoff
+    assert a.next()["wait_for_ready"] is True
+    assert 0.1 <= a.backoff_after(_Failed(grpc.StatusCode.ABORTED)) <= 0.2  # a retry may meet the rollback
+    a.next()
+    with pytest.raises(ChainKVError) as e:  # the third attempt was the last
+        a.backoff_after(_Failed(grpc.StatusCode.UNAVAILABLE))
+    assert e.value.attempts == 3
+
+
+def test_attempts_not_repeatable_other_codes_and_the_deadline_are_final():
+    for client, repeatable, code in [(_Client(), False, grpc.StatusCode.UNAVAILABLE),
+                                     (_Client(), True, grpc.StatusCode.INVALID_ARGUMENT),
+                                     (_Client(timeout_s=0.0), True, grpc.StatusCode.UNAVAILABLE)]:
+        a = _Attempts(client, None, repeatable=repeatable)
+        opts = a.next()
+        with pytest.raises(ChainKVError) as e:
+            a.backoff_after(_Failed(code))
+        assert e.value.code is code and e.value.attempts == 1
+    assert opts["timeout"] == 0.0  # the call's deadline had passed: no time left for the attempt
+    a = _Attempts(_Client(timeout_s=0.0), 60.0, repeatable=True)  # the call's timeout_s overrides the client's
+    assert 0 < a.next()["timeout"] <= 60.0

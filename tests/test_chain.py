@@ -14,32 +14,12 @@ from engine.lifecycle import MethodSpec
 from engine.llm import LLMEngine
 from engine.sampling import SamplingParams
 
-from tests.conftest import haystack
+from tests.conftest import first_turn, haystack, next_turn, run_turn
 
 L, H, P = 30, 3, 16
 GREEDY = SamplingParams(max_tokens=10)
 USER_TURNS = ["Hi! Who are you?", "What is 2 + 2?", "Name a color.", "Tell me a fun fact about cats.",
               "And one about dogs?", "Thanks, bye!"]
-
-
-def first_turn(engine, text: str, system: str | None = None) -> list[int]:
-    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    return engine.apply_chat_template(msgs)
-
-
-def next_turn(engine, text: str, role: str = "user") -> list[int]:
-    """The tokens that follow an assistant reply (which ends with <|im_end|>) in ChatML."""
-    return engine.encode(f"\n<|im_start|>{role}\n{text}<|im_end|>\n<|im_start|>assistant\n")
-
-
-def run_turn(engine, sid, tokens, params=GREEDY, **kw):
-    engine.add_turn(sid, tokens, params, **kw)
-    final = None
-    while final is None:
-        for out in engine.step():
-            if out.request_id == sid and out.finished:
-                final = out
-    return final
 
 
 def fresh(engine, prompt, params=GREEDY):
@@ -52,7 +32,7 @@ def test_six_turns_equal_rerunning_the_transcript(smol_engine):
     history: list[int] = []
     for i, text in enumerate(USER_TURNS):
         new = first_turn(eng, text) if i == 0 else next_turn(eng, text)
-        out = run_turn(eng, "six", new)
+        out = run_turn(eng, "six", new, GREEDY)
         assert out.token_ids == fresh(eng, history + new), f"turn {i} differs from a from-scratch run"
         if i == 0:
             assert out.counters.prefilled_tokens == len(new) and out.source_tier == "new"
@@ -78,10 +58,10 @@ def test_eviction_method_reuses_compressed_kv(smol_engine, method):
     bound = 96 if method == "streaming_llm" else 96 + GREEDY.max_tokens
 
     def session(sid):
-        outs = [run_turn(eng, sid, first_turn(eng, haystack(12) + " Which item is red?"), method=spec)]
+        outs = [run_turn(eng, sid, first_turn(eng, haystack(12) + " Which item is red?"), GREEDY, method=spec)]
         for text in ("And which is blue?", "Thanks."):
             assert int(eng.manager.seq_lengths(sid).max()) <= bound  # compressed between turns
-            outs.append(run_turn(eng, sid, next_turn(eng, text)))
+            outs.append(run_turn(eng, sid, next_turn(eng, text), GREEDY))
         return outs
 
     a, b = session(f"{method}-a"), session(f"{method}-b")
@@ -95,9 +75,9 @@ def test_eviction_method_reuses_compressed_kv(smol_engine, method):
 
 def test_pruning_a_tool_span_frees_pages_and_keeps_the_prefix(smol_engine):
     eng = smol_engine
-    run_turn(eng, "prune", first_turn(eng, "Look up the weather, please."))
+    run_turn(eng, "prune", first_turn(eng, "Look up the weather, please."), GREEDY)
     tool = next_turn(eng, "Weather report: " + haystack(20), role="tool")
-    out = run_turn(eng, "prune", tool, role="tool")
+    out = run_turn(eng, "prune", tool, GREEDY, role="tool")
     info = eng.session_info("prune")
     span = (out.turn_start, out.turn_start + len(tool))
     pages_before = eng.manager.num_pages("prune")
@@ -111,7 +91,7 @@ def test_pruning_a_tool_span_frees_pages_and_keeps_the_prefix(smol_engine):
     assert eng.manager.num_pages("prune") == L * H * math.ceil(int(held[0, 0]) / P) < pages_before
     assert after["prune_log"][-1]["removed"] == removed
     nxt = next_turn(eng, "So, should I take an umbrella?")
-    out2 = run_turn(eng, "prune", nxt)
+    out2 = run_turn(eng, "prune", nxt, GREEDY)
     assert out2.counters.prefilled_tokens == len(nxt) + 1 and out2.source_tier == "gpu"
     eng.end_session("prune")
 
@@ -119,15 +99,15 @@ def test_pruning_a_tool_span_frees_pages_and_keeps_the_prefix(smol_engine):
 def test_keep_ratio_pruning_keeps_the_attended_part():
     eng = LLMEngine(EngineConfig(num_pages=20000, prefill_chunk_size=256, prune_policy="keep_ratio",
                                  prune_keep_ratio=0.5, prune_roles=["tool"], prune_lag=0))
-    run_turn(eng, "kr", first_turn(eng, "Check the inventory."))
+    run_turn(eng, "kr", first_turn(eng, "Check the inventory."), GREEDY)
     tool = next_turn(eng, "Inventory: " + haystack(10), role="tool")
-    out = run_turn(eng, "kr", tool, role="tool")  # prune_lag 0: pruned at the end of its own turn
+    out = run_turn(eng, "kr", tool, GREEDY, role="tool")  # prune_lag 0: pruned at the end of its own turn
     log = eng.session_info("kr")["prune_log"]
     assert len(log) == 1 and log[0]["policy"] == "keep_ratio" and log[0]["reason"] == "lag"
     assert log[0]["removed"] == L * H * (len(tool) - math.ceil(0.5 * len(tool)))
     lengths = eng.manager.seq_lengths("kr")
     assert int(lengths.max()) == out.turn_start + len(tool) + len(out.token_ids) - 1 - (len(tool) - math.ceil(0.5 * len(tool)))
-    run_turn(eng, "kr", next_turn(eng, "How many red balls are there?"))
+    run_turn(eng, "kr", next_turn(eng, "How many red balls are there?"), GREEDY)
 
 
 def test_eight_sessions_share_one_system_prompt(smol_engine):
@@ -137,7 +117,7 @@ def test_eight_sessions_share_one_system_prompt(smol_engine):
     prompts = [first_turn(eng, f"Question {i}: what color is item {i}?", system=system) for i in range(8)]
     shared = len(eng.apply_chat_template([{"role": "system", "content": system}], add_generation_prompt=False))
     assert shared >= 500
-    outs = [run_turn(eng, f"sp{i}", p, shared_prefix=shared) for i, p in enumerate(prompts)]
+    outs = [run_turn(eng, f"sp{i}", p, GREEDY, shared_prefix=shared) for i, p in enumerate(prompts)]
     # the session that made the holder and one that forked it answer as unshared runs do
     assert [o.token_ids for o in outs[:2]] == [fresh(eng, p) for p in prompts[:2]]
     full = shared // P
@@ -180,11 +160,11 @@ def test_forked_sessions_continue_independently(smol_engine):
     eng = smol_engine
     used0 = eng.pool.num_used  # shared-prefix holders of earlier tests stay cached
     base = first_turn(eng, "Let's plan a trip. Suggest a city.")
-    out0 = run_turn(eng, "parent", base)
+    out0 = run_turn(eng, "parent", base, GREEDY)
     eng.fork_session("parent", "child")
     assert eng.manager.num_pages("child") == eng.manager.num_pages("parent")
     a, b = next_turn(eng, "Somewhere warm, please."), next_turn(eng, "Somewhere cold, please.")
-    pa, cb = run_turn(eng, "parent", a), run_turn(eng, "child", b)
+    pa, cb = run_turn(eng, "parent", a, GREEDY), run_turn(eng, "child", b, GREEDY)
     hist = base + out0.token_ids
     assert pa.token_ids == fresh(eng, hist + a)
     assert cb.token_ids == fresh(eng, hist + b)
@@ -197,7 +177,7 @@ def test_forked_sessions_continue_independently(smol_engine):
 def test_session_errors_and_abort_rollback(smol_engine):
     eng = smol_engine
     t0 = first_turn(eng, "Hello there.")
-    out = run_turn(eng, "err", t0)
+    out = run_turn(eng, "err", t0, GREEDY)
     hist = t0 + out.token_ids
     with pytest.raises(HistoryMismatch):
         eng.add_turn("err", [], GREEDY, history=hist[:-3] + [5, 6, 7, 8])
@@ -214,7 +194,7 @@ def test_session_errors_and_abort_rollback(smol_engine):
     assert info["digest"] == digest and info["turn_index"] == 1 and info["state"] == "idle"
     assert int(eng.manager.seq_lengths("err").max()) <= len(hist)
     again = next_turn(eng, "What is your name?")
-    out2 = run_turn(eng, "err", again, history=hist + again)
+    out2 = run_turn(eng, "err", again, GREEDY, history=hist + again)
     assert out2.token_ids == fresh(eng, hist + again)
     eng.end_session("err")
 
@@ -222,12 +202,12 @@ def test_session_errors_and_abort_rollback(smol_engine):
 def test_snapshot_bytes_round_trip_to_another_engine(smol_engine):
     eng = smol_engine
     t0 = first_turn(eng, "Pick a number between one and ten.")
-    out = run_turn(eng, "snap", t0)
+    out = run_turn(eng, "snap", t0, GREEDY)
     blob = eng.snapshot_session("snap").to_bytes()
     other = LLMEngine(EngineConfig(num_pages=8000, prefill_chunk_size=128))
     other.load_session(SessionSnapshot.from_bytes(blob))
     nxt = next_turn(eng, "Now double it.")
-    here, there = run_turn(eng, "snap", nxt), run_turn(other, "snap", nxt)
+    here, there = run_turn(eng, "snap", nxt, GREEDY), run_turn(other, "snap", nxt, GREEDY)
     assert there.source_tier == "store" and there.counters.prefilled_tokens == len(nxt) + 1
     assert here.token_ids == there.token_ids == fresh(eng, t0 + out.token_ids + nxt)
     broken = bytearray(blob)

@@ -17,6 +17,9 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.llm import LLMEngine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
+from benchmarks.quant_quality import forced_decode  # noqa: E402
+from tests.conftest import run_turn  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
 # kivi with a short residual window (R = 32), so that most of the 150-token prompt is read quantized
@@ -28,19 +31,6 @@ def _engine(path, device, method="dense", args=None, **kw):
     return LLMEngine(EngineConfig(model=path, device=device, dtype="float32", method=method, method_args=args or {},
                                   num_pages=4096, page_size=16, prefill_chunk_size=64, max_num_batched_tokens=256,
                                   max_num_seqs=4, max_cached_seqs=8, **kw))
-
-
-def forced_decode(engine, ids, tokens):
-    """Step logits while decoding ``tokens`` (each step's sampled token replaced by the given one)."""
-    rid = engine.add_request(ids, SamplingParams(max_tokens=len(tokens), ignore_eos=True, return_logits=True))
-    seq = engine._seqs[rid]
-    done = 0
-    while done < len(tokens):
-        engine.step()
-        if len(seq.output_ids) > done:
-            seq.token_ids[-1] = tokens[done]
-            done += 1
-    return torch.stack(seq.step_logits).float()
 
 
 @pytest.mark.parametrize("method,args", CASES)
@@ -94,22 +84,15 @@ def test_gpu_kivi_sessions_fork_and_snapshot(tiny_models):
     a, b = torch.randint(0, 320, (9,), generator=g).tolist(), torch.randint(0, 320, (11,), generator=g).tolist()
     params = SamplingParams(max_tokens=6, ignore_eos=True)
 
-    def turn(sid, tokens):
-        eng.add_turn(sid, tokens, params)
-        while True:
-            for out in eng.step():
-                if out.request_id == sid and out.finished:
-                    return out
-
-    turn("p", t0)
+    run_turn(eng, "p", t0, params)
     blob = eng.snapshot_session("p").to_bytes()
     eng.fork_session("p", "c")
-    pa, cb = turn("p", a), turn("c", b)
+    pa, cb = run_turn(eng, "p", a, params), run_turn(eng, "c", b, params)
     for sid, tokens, expect in (("p2", a, pa), ("c2", b, cb)):
         snap = SessionSnapshot.from_bytes(blob)
         snap.meta["session_id"] = sid
         eng.load_session(snap)
-        assert turn(sid, tokens).token_ids == expect.token_ids
+        assert run_turn(eng, sid, tokens, params).token_ids == expect.token_ids
     for sid in ("p", "c", "p2", "c2"):
         eng.end_session(sid)
     assert eng.pool.num_used == 0

@@ -26,6 +26,9 @@ from engine.lifecycle import MethodError, MethodSpec
 from engine.llm import LLMEngine
 from engine.sampling import SamplingParams
 
+from benchmarks.quant_quality import agreement, forced_decode
+from tests.conftest import first_turn, next_turn, run_turn
+
 pytestmark = pytest.mark.slow
 
 N_TOKENS = 64
@@ -97,60 +100,20 @@ def long_reference(smol_engine):
     return ids, out.token_ids, out.step_logits
 
 
-def agreement(engine, reference, name: str) -> tuple[float, torch.Tensor, int]:
+def agreement_with_dense(engine, reference, name: str) -> tuple[float, torch.Tensor, int]:
     """Top-1 agreement with the dense tokens, per-step KL(dense || engine), free-running prefix."""
     ids, tokens, dense_logits = reference
-    logits = forced_decode(engine, ids, tokens)
-    top1 = logits.argmax(-1)
-    agree = (top1 == torch.tensor(tokens)).float().mean().item()
-    lp, lq = torch.log_softmax(dense_logits.float(), -1), torch.log_softmax(logits.float(), -1)
-    kl = (lp.exp() * (lp - lq)).sum(-1)
-    mismatch = (top1 != torch.tensor(tokens)).nonzero().flatten().tolist()
-    prefix = mismatch[0] if mismatch else len(tokens)  # free-running generation equals dense up to here
+    agree, kl, prefix = agreement(dense_logits, forced_decode(engine, ids, tokens), tokens)
     print(f"\n{name}: top-1 agreement {agree:.4f} over {len(tokens)} tokens ({len(ids)} prompt tokens), "
           f"KL(dense||{name}) mean {kl.mean():.4f} max {kl.max():.4f}, free-running identical for the first {prefix} tokens")
     return agree, kl, prefix
-
-
-def forced_decode(engine, ids: list[int], tokens: list[int]) -> torch.Tensor:
-    """Decode ``tokens`` one step at a time (teacher forcing: after each step the sampled token is
-    replaced by the reference's), returning each step's logits ``[len(tokens), V]``. The
-    quantized cache is read by decode attention exactly as in free-running generation; position i
-    is the free-running token whenever positions before it agreed."""
-    rid = engine.add_request(ids, SamplingParams(max_tokens=len(tokens), ignore_eos=True, return_logits=True))
-    seq = engine._seqs[rid]
-    done = 0
-    while done < len(tokens):
-        engine.step()
-        if len(seq.output_ids) > done:
-            seq.token_ids[-1] = tokens[done]
-            done += 1
-    return torch.stack(seq.step_logits)
-
-
-def first_turn(engine, text: str) -> list[int]:
-    return engine.apply_chat_template([{"role": "user", "content": text}])
-
-
-def next_turn(engine, text: str) -> list[int]:
-    return engine.encode(f"\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
-
-
-def run_turn(engine, sid, tokens, params=GREEDY, **kw):
-    engine.add_turn(sid, tokens, params, **kw)
-    final = None
-    while final is None:
-        for out in engine.step():
-            if out.request_id == sid and out.finished:
-                final = out
-    return final
 
 
 @pytest.mark.parametrize("name", ["kivi4", "fp8"])
 def test_agrees_with_dense_over_64_greedy_tokens(name, dense_reference, request):
     """kivi at 4 bits without a residual window (every full page read quantized) and fp8 (e4m3)."""
     engine = request.getfixturevalue(name)
-    agree, kl, _ = agreement(engine, dense_reference, name)
+    agree, kl, _ = agreement_with_dense(engine, dense_reference, name)
     assert agree >= 0.95
     assert kl.mean() < 0.02
     assert not engine.pool.format.plain
@@ -163,8 +126,8 @@ def test_kivi2_with_the_papers_residual_window(kivi2, kivi2_r0, long_reference):
     Most of the remaining loss is the 2-bit keys (see docs/benchmarks.md)."""
     ids, tokens, _ = long_reference
     assert len(ids) + len(tokens) >= 3 * kivi2.pool.format.residual_length  # most tokens are quantized
-    agree, kl, _ = agreement(kivi2, long_reference, "kivi2 R=128")
-    agree0, kl0, _ = agreement(kivi2_r0, long_reference, "kivi2 R=0")
+    agree, kl, _ = agreement_with_dense(kivi2, long_reference, "kivi2 R=128")
+    agree0, kl0, _ = agreement_with_dense(kivi2_r0, long_reference, "kivi2 R=0")
     assert agree >= 0.8 and kl.mean() < 0.12
     assert agree0 < agree and kl0.mean() > 2 * kl.mean()
 
@@ -229,11 +192,11 @@ def test_fork_and_snapshot_restore_with_quantized_pages(kivi2_r0):
     used0 = engine.pool.num_used
     staged0 = getattr(engine.pool.format, "num_staging_free", None)
     t0 = first_turn(engine, "Let's plan a trip. Suggest a city.")
-    run_turn(engine, "p", t0)
+    run_turn(engine, "p", t0, GREEDY)
     blob = engine.snapshot_session("p").to_bytes()
     engine.fork_session("p", "c")  # shares every page, the open (full-precision) ones included
     a, b = next_turn(engine, "Somewhere warm, please."), next_turn(engine, "Somewhere cold, please.")
-    pa, cb = run_turn(engine, "p", a), run_turn(engine, "c", b)
+    pa, cb = run_turn(engine, "p", a, GREEDY), run_turn(engine, "c", b, GREEDY)
     assert cb.counters.reused_tokens == pa.counters.reused_tokens
     # the same turns on sessions restored from the snapshot bytes give the same tokens: the fork's
     # copy-on-write kept parent and child apart, and restore re-quantizes the pages losslessly
@@ -241,7 +204,7 @@ def test_fork_and_snapshot_restore_with_quantized_pages(kivi2_r0):
         snap = SessionSnapshot.from_bytes(blob)
         snap.meta["session_id"] = sid
         engine.load_session(snap)
-        again = run_turn(engine, sid, turn)
+        again = run_turn(engine, sid, turn, GREEDY)
         assert again.source_tier == "store" and again.counters.prefilled_tokens == len(turn) + 1
         assert again.token_ids == expect.token_ids
     for sid in ("p", "c", "p2", "c2"):
@@ -253,7 +216,7 @@ def test_fork_and_snapshot_restore_with_quantized_pages(kivi2_r0):
 def test_abort_rolls_back_quantized_pages(kivi2_r0):
     eng = kivi2_r0
     t0 = first_turn(eng, "Hello there.")
-    out = run_turn(eng, "ab", t0)
+    out = run_turn(eng, "ab", t0, GREEDY)
     hist = t0 + out.token_ids
     digest = eng.session_info("ab")["digest"]
     eng.add_turn("ab", next_turn(eng, "Count to fifty."), SamplingParams(max_tokens=40))
@@ -263,7 +226,7 @@ def test_abort_rolls_back_quantized_pages(kivi2_r0):
     assert eng.session_info("ab")["digest"] == digest
     assert eng.manager.seq_lengths("ab").max() <= len(hist)
     nxt = next_turn(eng, "What is your name?")
-    again = run_turn(eng, "ab", nxt)
+    again = run_turn(eng, "ab", nxt, GREEDY)
     assert again.counters.reused_tokens >= len(hist) - 1 and again.counters.prefilled_tokens <= len(nxt) + 1
     eng.end_session("ab")
 
@@ -283,7 +246,7 @@ def test_unsupported_combinations_are_clear_errors(kivi2, smol_engine):
     with pytest.raises(AttributeError, match="no plain K tensor"):
         kivi2.pool.k
     # a quantized session's snapshot cannot be resumed by an engine whose pool is plain
-    run_turn(kivi2, "q", ids)
+    run_turn(kivi2, "q", ids, GREEDY)
     snap = kivi2.snapshot_session("q")
     kivi2.end_session("q")
     with pytest.raises(MethodError, match=r"method 'kivi' stores KV as kivi\(bits=2.*holds plain pages"):

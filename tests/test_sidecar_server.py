@@ -9,30 +9,22 @@ Turns are greedy and short.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
 
 from redis_server import RedisProcess
+from tests.sidecar_proc import (ALPHA, BETA, TOKENS, Sidecar, committed, request, run, serving, turn_events,
+                                wait_for)
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
-TOKENS = {"tok-alpha": "alpha", "tok-beta": "beta"}
-ALPHA = [("authorization", "Bearer tok-alpha")]
-BETA = [("authorization", "Bearer tok-beta")]
 TURNS = [
     [("system", "You are a concise assistant."), ("user", "Name three fruits.")],
     [("user", "Which of them is yellow?")],
@@ -40,77 +32,6 @@ TURNS = [
     [("user", "Thanks. Name one more fruit.")],
 ]
 C = grpc.StatusCode
-
-
-def request(session: str, turn: list[tuple[str, str]], request_id: str = "", **kw) -> pb.TurnRequest:
-    kw.setdefault("max_tokens", 8)
-    return pb.TurnRequest(session_id=session, request_id=request_id,
-                          messages=[pb.Message(role=r, content=c) for r, c in turn], **kw)
-
-
-def run(stub, req, metadata=ALPHA, **kw) -> tuple[list[pb.TurnEvent], pb.TurnCompletion]:
-    events = list(stub.Turn(req, metadata=metadata, **kw))
-    assert events[-1].WhichOneof("event") == "completion"
-    return events, events[-1].completion
-
-
-def wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def committed(stub, session: str, metadata=ALPHA) -> bool:
-    s = stub.GetSession(pb.GetSessionRequest(session_id=session), metadata=metadata)
-    return s.snapshot_state == pb.SNAPSHOT_STATE_COMMITTED and s.committed_generation == s.generation
-
-
-def serving(channel) -> bool:
-    h = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="chainkv.v1.Sidecar"))
-    return h.status == health_pb2.HealthCheckResponse.SERVING
-
-
-class SidecarProcess:
-    """``chainkv serve`` in a subprocess on a free port, sharing the test's Redis."""
-
-    def __init__(self, store_url: str):
-        cmd = [sys.executable, "-m", "sidecar.cli", "serve", "--port", "0", "--store", store_url, "--device", "cpu",
-               "--num-pages", "3000", "--prefill-chunk-size", "128", "--max-model-len", "1024", "--grace-s", "10",
-               "--log-level", "WARNING"]
-        for token, tenant in TOKENS.items():
-            cmd += ["--auth-token", f"{token}={tenant}"]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.output: list[str] = []
-        self.port: int | None = None
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.output.append(line)
-            if "serving chainkv.v1.Sidecar on" in line:
-                self.port = int(line.split(" on ", 1)[1].split()[0].rsplit(":", 1)[1])
-                self._ready.set()
-        self._ready.set()
-
-    def wait_ready(self, timeout: float = 300.0) -> "SidecarProcess":
-        self._ready.wait(timeout)
-        if self.port is None:
-            raise RuntimeError("the sidecar did not start:\n" + "".join(self.output))
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
-        self.stub = sidecar_pb2_grpc.SidecarStub(self.channel)
-        return self
-
-    def signal(self, sig: int, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout)
 
 
 @pytest.fixture(scope="module")
@@ -123,14 +44,12 @@ def redis_proc(tmp_path_factory):
 @pytest.fixture(scope="module")
 def replicas(redis_proc):
     """Sidecars A and B (processes), started together."""
-    a, b = SidecarProcess(redis_proc.url), SidecarProcess(redis_proc.url)
+    a, b = Sidecar(redis_proc.url, grace_s=10).start(), Sidecar(redis_proc.url, grace_s=10).start()
     try:
         yield a.wait_ready(), b.wait_ready()
     finally:
         for p in (a, b):
-            if p.proc.poll() is None:
-                p.proc.kill()
-                p.proc.wait()
+            p.stop()
 
 
 @pytest.fixture(scope="module")
@@ -157,9 +76,9 @@ def on_a(replicas):
     """On A: an uninterrupted 4-turn session (the reference), the same conversation stopped after
     3 turns, and again after 2; once both snapshots are committed, A is SIGKILLed."""
     a, _ = replicas
-    ref = [run(a.stub, request("ref", t))[1] for t in TURNS]
-    s1 = [run(a.stub, request("s1", t))[1] for t in TURNS[:3]]
-    c = [run(a.stub, request("c", t))[1] for t in TURNS[:2]]
+    ref = [run(a.stub, request("ref", t)) for t in TURNS]
+    s1 = [run(a.stub, request("s1", t)) for t in TURNS[:3]]
+    c = [run(a.stub, request("c", t)) for t in TURNS[:2]]
     wait_for(lambda: all(committed(a.stub, sid) for sid in ("ref", "s1", "c")), what="A's snapshots")
     assert a.signal(signal.SIGKILL) == -signal.SIGKILL
     return ref, s1, c
@@ -173,7 +92,7 @@ def test_resume_on_another_replica_after_sigkill(replicas, on_a):
     info = b.stub.Resume(pb.ResumeRequest(session_id="s1", expected_turn_index=3), metadata=ALPHA)
     assert info.source_tier == pb.TIER_STORE and info.turn_index == 3 and info.snapshot_error == ""
     assert info.history_tokens == ref[2].usage.history_tokens
-    _, fourth = run(b.stub, request("s1", TURNS[3], expected_turn_index=3))
+    fourth = run(b.stub, request("s1", TURNS[3], expected_turn_index=3))
     assert fourth.token_ids == ref[3].token_ids  # the same greedy tokens as the uninterrupted run
     assert fourth.usage.source_tier == pb.TIER_STORE
     assert fourth.usage.prefilled_tokens == ref[3].usage.prefilled_tokens  # only the new tokens were prefilled
@@ -194,7 +113,7 @@ def test_corrupt_kv_chunk_is_detected_and_rebuilt_by_recompute(replicas, on_a, r
     info = b.stub.Resume(pb.ResumeRequest(session_id="c"), metadata=ALPHA)
     assert info.source_tier == pb.TIER_RECOMPUTE and "checksum" in info.snapshot_error
     assert info.turn_index == 2 and info.state == pb.SESSION_STATE_HISTORY
-    _, third = run(b.stub, request("c", TURNS[2]))
+    third = run(b.stub, request("c", TURNS[2]))
     assert third.usage.source_tier == pb.TIER_RECOMPUTE
     # the whole history was prefilled again
     assert third.usage.reused_tokens == 0
@@ -216,12 +135,12 @@ def test_second_turn_is_aborted_and_a_retry_replays_without_running_again(local)
         run(stub, request("busy", TURNS[1], "r2"))
     assert e.value.code() == C.ABORTED
     with ThreadPoolExecutor(1) as pool:
-        early_retry = pool.submit(lambda: run(stub, first_req))  # arrives while the first attempt runs
+        early_retry = pool.submit(lambda: turn_events(stub, first_req))  # arrives while the first attempt runs
         events = head + list(stream)
         first = events[-1].completion
         decoded = eng.totals["decoded_tokens"]
         waited_events, waited = early_retry.result(120)
-    late_events, late = run(stub, first_req)
+    late_events, late = turn_events(stub, first_req)
     assert not first.replayed and waited.replayed and late.replayed
     assert len(first.token_ids) == 40
     assert waited.token_ids == late.token_ids == first.token_ids and waited.text == late.text == first.text
@@ -262,7 +181,7 @@ def test_cancel_and_deadline_stop_the_engine_and_roll_the_turn_back(local):
     after = wait_for(settled, what="the expired turn to be aborted")
     assert eng.totals["finished_abort"] == totals["finished_abort"] + 2
     assert after.turn_index == before.turn_index and after.digest == before.digest
-    _, ok = run(stub, request("cancel", TURNS[1]))  # the session carries on
+    ok = run(stub, request("cancel", TURNS[1]))  # the session carries on
     assert ok.turn_index == 1 and ok.usage.source_tier == pb.TIER_GPU
 
 
@@ -306,14 +225,14 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(local, smol_
     with pytest.raises(grpc.RpcError) as e:
         stub.ForkSession(pb.ForkSessionRequest(session_id="occ", new_session_id="occ-child"), metadata=ALPHA)
     assert e.value.code() == C.ALREADY_EXISTS
-    _, a = run(stub, request("occ", TURNS[1], expected_turn_index=1))
-    _, b = run(stub, request("occ-child", TURNS[1], expected_turn_index=1))
+    a = run(stub, request("occ", TURNS[1], expected_turn_index=1))
+    b = run(stub, request("occ-child", TURNS[1], expected_turn_index=1))
     assert a.token_ids == b.token_ids
-    _, tool = run(stub, request("occ", TURNS[2]))
+    tool = run(stub, request("occ", TURNS[2]))
     pruned = stub.PruneHistory(pb.PruneHistoryRequest(session_id="occ", prune_roles=["tool"]), metadata=ALPHA)
     assert pruned.pruned_tokens > 0 and pruned.removed > 0 and pruned.session.prune_log[-1].prune_policy == "drop"
     # the same session id under another tenant is another session
-    _, other = run(stub, request("occ", TURNS[0]), metadata=BETA)
+    other = run(stub, request("occ", TURNS[0]), metadata=BETA)
     assert other.turn_index == 0
     ended = stub.EndSession(pb.EndSessionRequest(session_id="occ-child"), metadata=ALPHA)
     assert ended.ended_here
@@ -345,7 +264,7 @@ def test_redis_down_turns_still_run_snapshot_pending_then_written(local, replica
     wait_for(lambda: committed(stub, "down"), what="the first snapshot")
     redis_proc.stop()
     try:
-        _, second = run(stub, request("down", TURNS[1]))
+        second = run(stub, request("down", TURNS[1]))
         assert second.usage.source_tier == pb.TIER_GPU  # served from the accelerator
         info = wait_for(lambda: (s := stub.GetSession(pb.GetSessionRequest(session_id="down"), metadata=ALPHA))
                         .snapshot_error and s, what="the failed snapshot attempt")
@@ -362,7 +281,7 @@ def test_redis_down_turns_still_run_snapshot_pending_then_written(local, replica
     # B now resumes the session at turn 2; after its turn, SIGTERM drains and flushes before exiting
     info = b.stub.Resume(pb.ResumeRequest(session_id="down", expected_turn_index=2), metadata=ALPHA)
     assert info.source_tier == pb.TIER_STORE
-    _, third = run(b.stub, request("down", TURNS[2]))
+    third = run(b.stub, request("down", TURNS[2]))
     assert b.signal(signal.SIGTERM) == 0
     meta = redis_proc.client().hgetall("chainkv:{alpha/down}:meta")
     assert int(meta[b"turn_index"]) == 3 and int(meta[b"generation"]) == third.generation

@@ -11,6 +11,7 @@ import pytest
 from sidecar.store import DirectoryStore, GenerationConflict, RedisStore, StoredSession, open_store
 
 from redis_server import RedisProcess
+from tests.conftest import run_turn
 
 
 @pytest.fixture(scope="module")
@@ -130,15 +131,8 @@ def test_engine_session_round_trips_through_the_directory_store(tiny_models, tmp
     cfg = EngineConfig(model=folder, num_pages=600, prefill_chunk_size=16)
     params = SamplingParams(max_tokens=6)
 
-    def turn(eng, tokens):
-        eng.add_turn("s", tokens, params)
-        while True:
-            for out in eng.step():
-                if out.finished:
-                    return out
-
     a, b, c = LLMEngine(cfg), LLMEngine(cfg), LLMEngine(cfg)
-    turn(a, list(range(5, 40)))
+    run_turn(a, "s", list(range(5, 40)), params)
     store = DirectoryStore(tmp_path, chunk_bytes=4096)
     stored = split_snapshot(a.snapshot_session("s"), {"tools_digest": ""})
     assert stored.kv is not None and "tokens" in stored.record and "num_cached" not in stored.record
@@ -147,7 +141,7 @@ def test_engine_session_round_trips_through_the_directory_store(tiny_models, tmp
     assert err is None
     b.load_session(snap)
     nxt = list(range(50, 60))
-    here, there = turn(a, nxt), turn(b, nxt)
+    here, there = run_turn(a, "s", nxt, params), run_turn(b, "s", nxt, params)
     assert there.source_tier == "store" and there.token_ids == here.token_ids
     chunk = sorted(p for p in store.folder("s").iterdir() if p.name.startswith("kv."))[0]
     data = bytearray(chunk.read_bytes())
@@ -156,5 +150,5 @@ def test_engine_session_round_trips_through_the_directory_store(tiny_models, tmp
     snap, err = join_snapshot(store.load("s"))
     assert snap.kv is None and "checksum" in err
     c.load_session(snap)
-    rebuilt = turn(c, nxt)
+    rebuilt = run_turn(c, "s", nxt, params)
     assert rebuilt.source_tier == "recompute" and rebuilt.token_ids == here.token_ids

@@ -24,7 +24,7 @@ import pytest
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 
 from redis_server import RedisProcess
-from sidecar_proc import ALPHA, Sidecar, request, run
+from tests.sidecar_proc import ALPHA, Sidecar, committed, request, run, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability]
 
@@ -33,22 +33,6 @@ TURNS = [
     [("user", "Which of them is yellow?")],
     [("user", "Thanks. Name one more fruit.")],
 ]
-
-
-def wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def committed(stub, session: str) -> bool:
-    s = stub.GetSession(pb.GetSessionRequest(session_id=session), metadata=ALPHA)
-    return s.snapshot_state == pb.SNAPSHOT_STATE_COMMITTED and s.committed_generation == s.generation
 
 
 def stored_turn(redis_proc, session: str) -> int | None:

@@ -13,13 +13,14 @@ import os
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
 from sidecar.sessions import SESSION_ID_RE
+
+from tests.sidecar_proc import serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability]
 
@@ -126,11 +127,6 @@ def fuzz_server(smol_engine, tmp_path_factory, reliability_report):
         smol_engine.end_session(sid)
 
 
-def serving(channel) -> bool:
-    h = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="chainkv.v1.Sidecar"), timeout=30)
-    return h.status == health_pb2.HealthCheckResponse.SERVING
-
-
 def expected_code(request, md) -> grpc.StatusCode | None:
     """The code the input alone decides, if any."""
     if md is not GOOD:
@@ -154,7 +150,7 @@ def check(report, channel, rpc, call, request, md):
         code = C.OK
     except grpc.RpcError as e:
         code = e.code()
-    crashed = code not in ALLOWED | {C.OK} or not serving(channel)
+    crashed = code not in ALLOWED | {C.OK} or not serving(channel, timeout=30)
     record(report, rpc, code, crashed)
     assert not crashed, f"{rpc}: {code} for {request!r}"
     want = expected_code(request, md)
@@ -236,6 +232,6 @@ def test_fuzz_raw_bytes(fuzz_server, reliability_report, rpc, data):
         code = C.OK
     except grpc.RpcError as e:
         code = e.code()
-    crashed = code not in ALLOWED | {C.OK} or not serving(channel)
+    crashed = code not in ALLOWED | {C.OK} or not serving(channel, timeout=30)
     record(reliability_report, f"raw:{rpc}", code, crashed)
     assert not crashed, f"{rpc}: {code} for {data!r}"
