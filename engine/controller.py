@@ -2,8 +2,11 @@
 
 Sequences in one batch may use different methods (a session chooses its own). The controller
 groups a batch by method instance, gives each method only its rows, merges the views they return
-and turns keep-decisions into ``CacheManager.evict_many`` calls, so freed pages are back in the
-pool before the next layer runs. A hook a method does not override is never called and costs no
+and turns keep-decisions into ``CacheManager.evict_many`` calls. Decisions of decode steps, turn
+ends and scoring passes are carried out at once; those of prefill chunks once the forward pass is
+queued (a later layer never reads an earlier layer's cache), so the pass never waits for the host
+between layers and all their indices reach the host in one copy; freed pages are back in the pool
+before the next step is scheduled. A hook a method does not override is never called and costs no
 work; the engine never asks which method it is.
 """
 
@@ -42,6 +45,8 @@ class SparseController:
         self._instances: dict[tuple, SparseMethod] = {}
         self._method_of: dict[SeqId, SparseMethod] = {}
         self._protected: dict[SeqId, int] = {}
+        self._pending: list[tuple[int, SeqId, Any]] = []
+        """(layer, seq_id, keep) decided by prefill chunks of the forward pass in flight."""
         self.evicted_pages = 0
         """Pages returned to the pool by method decisions (a counter for tests and metrics)."""
         self.evicted_tokens = 0
@@ -101,9 +106,28 @@ class SparseController:
         return _overrides(self._method_of[seq_id], "after_prefill_chunk")
 
     def after_prefill_chunk(self, layer: int, chunk: PrefillChunk) -> None:
+        """The method's keep decision is applied once the whole forward pass is queued
+        (``apply_pending_evictions``): a later layer never reads this layer's cache, and the pass
+        then never waits for the host between layers (keep indices may still be on the device)."""
         keep = self._method_of[chunk.seq_id].after_prefill_chunk(layer, chunk)
         if keep is not None:
-            self._evict(layer, [(chunk.seq_id, keep)])
+            self._pending.append((layer, chunk.seq_id, keep))
+
+    def apply_pending_evictions(self) -> None:
+        """Carry out the prefill chunks' keep decisions of the pass just run, layer by layer, with
+        one device -> host copy for all their indices."""
+        pending, self._pending = self._pending, []
+        by_layer: dict[int, list] = defaultdict(list)
+        for layer, seq_id, keep in pending:
+            by_layer[layer].append((seq_id, keep))
+        keeps = keeps_on_host([keep for items in by_layer.values() for _, keep in items])
+        it = iter(keeps)
+        for layer, items in by_layer.items():
+            self._evict(layer, [(seq_id, next(it)) for seq_id, _ in items])
+
+    def drop_pending_evictions(self) -> None:
+        """The pass failed: its decisions are dropped (the cache keeps those tokens)."""
+        self._pending = []
 
     # --- scoring pass (after a turn's prefill) -----------------------------------------------------
     def wants_scoring_pass(self, seq_id: SeqId) -> bool:
@@ -233,6 +257,7 @@ class SparseController:
             self._evict(layer, [(seq.seq_id, keep)])
 
     def _evict(self, layer: int, items) -> None:
+        items = list(zip([s for s, _ in items], keeps_on_host([keep for _, keep in items])))
         if self._protected:
             items = [(s, self._with_protected(s, layer, keep)) for s, keep in items]
         before = [int(self.manager.lengths[self.manager.slot(s), layer].sum()) for s, _ in items]
@@ -249,6 +274,18 @@ class SparseController:
         lengths = self.manager.lengths[self.manager.slot(seq_id), layer]
         return [torch.cat([torch.arange(min(n, int(lengths[h]))), torch.as_tensor(k, dtype=torch.int64).reshape(-1).cpu()])
                 for h, k in enumerate(keep)]
+
+
+def keeps_on_host(keeps: Sequence) -> list[list[torch.Tensor]]:
+    """Each keep decision (``[H, m]`` or one 1-D tensor per kv-head) as one host int64 tensor per
+    head; the device tensors among them reach the host in a single copy."""
+    heads = [[torch.as_tensor(k).reshape(-1) for k in keep] for keep in keeps]
+    on_dev = [t for hs in heads for t in hs if t.device.type != "cpu"]
+    if on_dev:
+        flat = torch.cat([t.to(torch.int64) for t in on_dev]).cpu()  # the one device -> host copy
+        parts = iter(flat.split([t.numel() for t in on_dev]))
+        heads = [[next(parts) if t.device.type != "cpu" else t for t in hs] for hs in heads]
+    return [[t.to(torch.int64) for t in hs] for hs in heads]
 
 
 def _rows(batch: DecodeBatch, rows: list[int]) -> DecodeBatch:

@@ -158,7 +158,12 @@ class ModelRunner:
                 sampling.append(seq)
 
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        logits = self.model(input_ids, pos_dev, attend, torch.tensor(rows, dtype=torch.long, device=self.device))
+        try:
+            logits = self.model(input_ids, pos_dev, attend, torch.tensor(rows, dtype=torch.long, device=self.device))
+        except BaseException:
+            self.controller.drop_pending_evictions()
+            raise
+        self.controller.apply_pending_evictions()  # the prefill chunks' keep decisions, all layers at once
         self.forward_passes += 1
 
         for seq, n in batch.prefill:

@@ -83,11 +83,12 @@ class H2O(ScoredEviction):
 
     def on_kept(self, layer: int, seq_id, keep) -> None:
         acc = self._acc[(seq_id, layer)]
-        heads = [torch.as_tensor(k, dtype=torch.int64).reshape(-1).cpu() for k in keep]  # host already: free
-        counts = torch.tensor([k.numel() for k in heads])
+        # keep may be on the device (topk_per_head) or the host: gather on the device without a sync
+        heads = [on_device(torch.as_tensor(k, dtype=torch.int64).reshape(-1), acc.device) for k in keep]
+        counts = on_device(torch.tensor([k.numel() for k in heads]), acc.device)
         idx = torch.nn.utils.rnn.pad_sequence(heads, batch_first=True)  # [H, width], 0 past a head's count
-        pad = torch.arange(idx.shape[1])[None, :] >= counts[:, None]
-        new = torch.gather(acc, 1, on_device(idx, acc.device)).masked_fill(on_device(pad, acc.device), 0.0)
+        pad = torch.arange(idx.shape[1], device=acc.device)[None, :] >= counts[:, None]
+        new = torch.gather(acc, 1, idx).masked_fill(pad, 0.0)
         self._acc[(seq_id, layer)] = new
 
     # decode: each step's attention adds to the scores; past the budget the lowest goes

@@ -45,7 +45,8 @@ def topk_per_head(scores: torch.Tensor, lengths: torch.Tensor, budgets) -> list[
 
     Heads of the same length and budget (usually all of a layer) share one top-k over
     ``scores[heads, :length]`` — per row exactly the call a head alone would make, so ties fall the
-    same way — and every head's indices reach the host in one copy. Returns one 1-D host tensor per head."""
+    same way. Returns one 1-D tensor per head, on the scores' device (no host sync: the controller
+    brings a whole pass's decisions to the host in one copy)."""
     n = [int(x) for x in lengths.tolist()]  # lengths live on the host: no device sync
     b = [int(x) for x in budgets]
     out = [torch.arange(x) for x in n]
@@ -64,7 +65,7 @@ def topk_per_head(scores: torch.Tensor, lengths: torch.Tensor, budgets) -> list[
         for (length, k), heads in groups.items():
             rows = on_device(torch.tensor(heads), dev)
             idx[rows, :k] = scores.index_select(0, rows)[:, :length].float().topk(k, dim=-1).indices
-    idx = idx.sort(dim=-1).values.cpu()  # the one device -> host copy
+    idx = idx.sort(dim=-1).values
     for (_, k), heads in groups.items():
         for h in heads:
             out[h] = idx[h, :k]
