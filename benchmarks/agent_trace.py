@@ -328,6 +328,7 @@ def main() -> None:
         result["device"] = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu"
         result["engine"] = {k: v for k, v in engine.config.to_dict().items() if k != "model"}
         result["random_weights"] = args.random_weights
+    result["command"] = "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
     result["description"] = ("Synthetic agent traces replayed over gRPC (benchmarks/agent_trace.py). speedup = "
                              "nochain mean busy time (sum of a session's turn latencies) / this configuration's.")
     out = Path(args.out)
