@@ -4,7 +4,8 @@ A pure decode step whose methods need no per-layer hooks this step (dense, or an
 between its compressions) runs as one graph replay: embeddings, every layer's GEMMs, RoPE, the
 Triton KV store and paged decode kernels, the LM head. A batch whose rows all use one method with
 a graph-capturable selection (``SparseMethod.graph_decode``, e.g. quest) replays a graph captured
-with that method's ``graph_decode_view`` in every layer: one graph per (batch bucket, method). The kernels read the CacheManager's global
+with that method's ``graph_decode_view`` in every layer: one graph per (batch bucket, method).
+The kernels read the CacheManager's global
 device tables through a static row index (``tables[:, layer]``), so nothing is gathered per step;
 the host only copies token ids, positions, rows and the slot mapping into static buffers. Rows
 past the real batch read an empty cache slot and write to a scratch page; their logits are
