@@ -154,6 +154,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--text", default=None, help="real text for (b) (default: the GPL-3 text, else Python's LICENSE)")
     ap.add_argument("--skip", default="", help="passkey and/or agreement, to skip a part")
     ap.add_argument("--model", default="smollm2")
+    # engine settings that split a device-specific difference (same names as EngineConfig's fields)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--cuda-graphs", default="true", help="decode under CUDA graphs (GPU)")
+    ap.add_argument("--async-decode", default="true", help="launch decode steps one ahead (GPU)")
     ap.add_argument("--batch", type=int, default=8, help="samples run through the engine together")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quality.json"))
@@ -166,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     longest = max(args.context + 200, args.kl_context + args.continuation + 8)
     # twice the longest input: kvzip's scoring pass appends a repeat of the context to the cache
     engine = LLMEngine(EngineConfig(model=args.model, max_model_len=2 * longest + 64, prefill_chunk_size=longest,
-                                    max_num_batched_tokens=longest * 2, max_num_seqs=args.batch, kv_cache_gb=4.0))
+                                    max_num_batched_tokens=longest * 2, max_num_seqs=args.batch, kv_cache_gb=4.0,
+                                    dtype=args.dtype, cuda_graphs=args.cuda_graphs, async_decode=args.async_decode))
     skip = set(args.skip.split(","))
     result = {"description": "benchmarks/quality.py: passkey retrieval (a) and teacher-forced agreement with dense (b), "
                              "each method at each budget ratio next to dense.",
