@@ -30,6 +30,13 @@ class Conversations:
         self._aclients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncChainKVClient]" = \
             weakref.WeakKeyDictionary()
 
+    @classmethod
+    def from_settings(cls, settings) -> "Conversations":
+        """From an adapter's connection fields (``target``, ``token``, ``tls_ca``, ``timeout_s``,
+        ``max_retries``: the same names in every adapter)."""
+        return cls(settings.target, token=settings.token, tls_ca=settings.tls_ca, timeout_s=settings.timeout_s,
+                   retry=RetryPolicy(max_attempts=settings.max_retries + 1))
+
     # --- clients --------------------------------------------------------------------------------
     @property
     def client(self) -> ChainKVClient:

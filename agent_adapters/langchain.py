@@ -36,7 +36,6 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from agent_adapters.client import RetryPolicy
 from agent_adapters.conversation import Conversations
 from agent_adapters.messages import ChatMessage, TextDelta, ToolCall, ToolSpec, TurnResult, as_tool
 
@@ -123,8 +122,7 @@ class ChatChainKV(BaseChatModel):
     @property
     def conversations(self) -> Conversations:
         if self._conv is None:
-            self._conv = Conversations(self.target, token=self.token, tls_ca=self.tls_ca, timeout_s=self.timeout_s,
-                                       retry=RetryPolicy(max_attempts=self.max_retries + 1))
+            self._conv = Conversations.from_settings(self)
         return self._conv
 
     @property

@@ -36,7 +36,6 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 
-from agent_adapters.client import RetryPolicy
 from agent_adapters.conversation import Conversations
 from agent_adapters.messages import ChatMessage, TextDelta, ToolCall, ToolSpec, TurnResult, as_tool
 
@@ -76,6 +75,23 @@ def _raw(r: TurnResult) -> dict[str, Any]:
             "finish_reason": r.finish_reason, "replayed": r.replayed, "usage": r.usage.as_dict()}
 
 
+class _StreamedChat:
+    """A streamed turn's events as LlamaIndex's chat responses: the message so far with each text
+    delta, tool calls gathered into it, the turn's result last (sync and asyncio streams share it)."""
+
+    def __init__(self):
+        self.text, self.calls = "", []
+
+    def feed(self, event) -> ChatResponse | None:
+        if isinstance(event, TextDelta):
+            self.text += event.text
+            return ChatResponse(message=_message(self.text, self.calls), delta=event.text)
+        if isinstance(event, ToolCall):
+            self.calls.append(event)
+            return None
+        return ChatResponse(message=_message(self.text, self.calls), delta="", raw=_raw(event))
+
+
 class ChainKVLLM(FunctionCallingLLM):
     """A LlamaIndex chat LLM served by a chainkv sidecar over gRPC."""
 
@@ -108,8 +124,7 @@ class ChainKVLLM(FunctionCallingLLM):
     @property
     def conversations(self) -> Conversations:
         if self._conv is None:
-            self._conv = Conversations(self.target, token=self.token, tls_ca=self.tls_ca, timeout_s=self.timeout_s,
-                                       retry=RetryPolicy(max_attempts=self.max_retries + 1))
+            self._conv = Conversations.from_settings(self)
         return self._conv
 
     @property
@@ -148,15 +163,10 @@ class ChainKVLLM(FunctionCallingLLM):
         key, msgs, tools, options = self._args(messages, kwargs)
 
         def gen() -> Generator[ChatResponse, None, None]:
-            text, calls = "", []
+            fold = _StreamedChat()
             for event in self.conversations.stream(key, msgs, tools, **options):
-                if isinstance(event, TextDelta):
-                    text += event.text
-                    yield ChatResponse(message=_message(text, calls), delta=event.text)
-                elif isinstance(event, ToolCall):
-                    calls.append(event)
-                else:
-                    yield ChatResponse(message=_message(text, calls), delta="", raw=_raw(event))
+                if (response := fold.feed(event)) is not None:
+                    yield response
 
         return gen()
 
@@ -174,15 +184,10 @@ class ChainKVLLM(FunctionCallingLLM):
         key, msgs, tools, options = self._args(messages, kwargs)
 
         async def gen() -> AsyncGenerator[ChatResponse, None]:
-            text, calls = "", []
+            fold = _StreamedChat()
             async for event in self.conversations.astream(key, msgs, tools, **options):
-                if isinstance(event, TextDelta):
-                    text += event.text
-                    yield ChatResponse(message=_message(text, calls), delta=event.text)
-                elif isinstance(event, ToolCall):
-                    calls.append(event)
-                else:
-                    yield ChatResponse(message=_message(text, calls), delta="", raw=_raw(event))
+                if (response := fold.feed(event)) is not None:
+                    yield response
 
         return gen()
 

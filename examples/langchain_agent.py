@@ -15,39 +15,20 @@ object works as the model of a LangGraph agent (``create_react_agent(llm, tools)
 from __future__ import annotations
 
 import argparse
-import ast
 import datetime
-import operator
 import uuid
 
 from langchain_core.messages import BaseMessage, HumanMessage, SystemMessage
 from langchain_core.tools import tool
 
 from agent_adapters.langchain import ChatChainKV
-
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.USub: operator.neg}
+from sidecar.demo import calculate  # the sidecar demo's calculator: arithmetic on the syntax tree, no eval()
 
 
 @tool
 def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression with + - * / and parentheses, e.g. '12 * (3 + 4)'."""
-
-    def ev(node):
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
-            return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            return _OPS[type(node.op)](ev(node.left), ev(node.right))
-        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
-            return _OPS[type(node.op)](ev(node.operand))
-        raise ValueError("only arithmetic is supported")
-
-    try:
-        return str(ev(ast.parse(expression, mode="eval")))
-    except (SyntaxError, ValueError, ZeroDivisionError) as e:
-        return f"error: {e}"
+    """Evaluate an arithmetic expression (+ - * / // % ** and parentheses), e.g. '12 * (3 + 4)'."""
+    return calculate(expression)
 
 
 @tool
