@@ -53,15 +53,9 @@ class PageBounds:
     def ensure(self, cache, seq_ids: Sequence[Hashable], layer: int) -> None:
         """Rebuild the bounds of every page of ``layer`` for the sequences whose layout version
         changed since their bounds were built (host-side check; rare rebuilds)."""
-        versions = cache.layout_versions(seq_ids, layer)
-        for seq_id, version in zip(seq_ids, versions):
-            built = self._built.setdefault(seq_id, {})
-            if built.get(layer) != version:
-                ids, lengths = cache.page_table(seq_id, layer)
-                self._write(ids, lengths, 0)
-                built[layer] = version
+        self.ensure_layers(cache, seq_ids, (layer,))
 
-    def ensure_layers(self, cache, seq_ids: Sequence[Hashable], layers: range) -> None:
+    def ensure_layers(self, cache, seq_ids: Sequence[Hashable], layers: Sequence[int]) -> None:
         """``ensure`` for several layers at once, the versions read in one lookup (before a graph replay)."""
         for seq_id, versions in zip(seq_ids, cache.layout_version_table(seq_ids)):
             built = self._built.setdefault(seq_id, {})

@@ -128,7 +128,8 @@ class ScoredEviction(SparseMethod):
         return 0
 
     def score(self, layer: int, chunk: PrefillChunk) -> torch.Tensor:
-        raise NotImplementedError
+        """The method's rule (every subclass defines it): ``[H, T]`` scores, higher is kept."""
+        raise NotImplementedError(f"{type(self).__name__} must define score(): the rule that ranks its tokens")
 
     def layer_budgets(self, layer: int, lengths: torch.Tensor, num_tokens: int) -> list[int]:
         return [self.budget_for(num_tokens)] * len(lengths)
