@@ -27,13 +27,16 @@ export PYTHONPATH=$PWD:$site PYTHONUNBUFFERED=1 CHAINKV_CACHE=/tmp/chainkv-cache
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, triton, transformers, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'grpcio', grpc.__version__)" | tee -a "$out/gpu.txt"
 
-gpu_tests=$(grep -l "cuda.is_available" tests/*.py tests/reliability/*.py 2>/dev/null | tr '\n' ' ')
-echo "python3 -m pytest -q $gpu_tests" | tee "$out/gpu_tests.txt"
-timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -rs $gpu_tests 2>&1 | tail -30 | tee -a "$out/gpu_tests.txt"
+parts=",${PARTS:-tests,eviction,selection},"  # a subset, e.g. PARTS=tests,selection, to fit one call's 10 minutes
+if [[ $parts == *,tests,* ]]; then
+  gpu_tests=$(grep -l "cuda.is_available" tests/*.py tests/reliability/*.py 2>/dev/null | tr '\n' ' ')
+  echo "python3 -m pytest -q $gpu_tests" | tee "$out/gpu_tests.txt"
+  timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -rs $gpu_tests 2>&1 | tail -30 | tee -a "$out/gpu_tests.txt"
+fi
 
 eviction=streaming_llm,h2o,tova,snapkv,pyramidkv,adakv,keydiff,expected_attention,kvzip,rkv
-timeout ${EVICTION_S:-240} python3 benchmarks/quality.py --methods $eviction --budgets 0.5,0.25 --samples 20 \
+[[ $parts == *,eviction,* ]] && timeout ${EVICTION_S:-480} python3 benchmarks/quality.py --methods $eviction --budgets 0.5,0.25 --samples 20 \
     --context 2048 --batch 20 --out "$out/quality_eviction.json" 2>&1 | grep -v "it/s\]" | tail -5
-timeout ${SELECTION_S:-150} python3 benchmarks/quality.py --methods quest,omnikv,offload,duo_attention --budgets 0.5,0.25 \
+[[ $parts == *,selection,* ]] && timeout ${SELECTION_S:-240} python3 benchmarks/quality.py --methods quest,omnikv,offload,duo_attention --budgets 0.5,0.25 \
     --samples 20 --context 2048 --batch 20 --out "$out/quality_selection.json" 2>&1 | grep -v "it/s\]" | tail -5
 ls -la "$out"

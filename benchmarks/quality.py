@@ -6,11 +6,14 @@ methods without a budget run once):
 (a) passkey retrieval: a pass key (5 digits) hidden at a random depth of a locally generated
     haystack of ``--context`` tokens (the classic repeated filler); the model is asked for it and
     answers greedily. Accuracy = answers containing the key.
-(b) agreement with dense on real text, teacher-forced: a session's first turn is ``--kl-context``
-    tokens of a text (the method compresses them), the second turn feeds the next
-    ``--continuation`` tokens through the compressed cache; per position, top-1 agreement of the
-    next-token prediction with dense and KL(dense || method), averaged over ``--segments``
-    segments.
+(b) agreement with dense on real text, teacher-forced, two ways (``--agreement-modes``):
+    ``prefill``: a session's first turn is ``--kl-context`` tokens of a text (the method compresses
+    them), the second turn feeds the next ``--continuation`` tokens through the compressed cache
+    as one prefill (the Chain Cache's path); ``decode``: the context is a request's prompt and the
+    continuation goes through decode steps, one token at a time, each sampled token replaced by
+    the text's (what decode-time methods - quest, omnikv, offload, h2o, rkv - act on; a prefill
+    never runs their selection). Per position, top-1 agreement of the next-token prediction with
+    dense and KL(dense || method), averaged over ``--segments`` segments.
 
 Samples of one configuration run through the engine together (continuous batching). Results are
 saved after every configuration, so a cut-short run keeps what it measured.
@@ -40,6 +43,8 @@ from engine.lifecycle import MethodSpec  # noqa: E402
 from engine.llm import LLMEngine  # noqa: E402
 from engine.methods import REGISTRY, get_method_class  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+
+from benchmarks.quant_quality import forced_decode_batch  # noqa: E402
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 TEXTS = [Path("/usr/share/common-licenses/GPL-3"), Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "LICENSE.txt",
@@ -152,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kl-context", type=int, default=1024)
     ap.add_argument("--continuation", type=int, default=256)
     ap.add_argument("--text", default=None, help="real text for (b) (default: the GPL-3 text, else Python's LICENSE)")
+    ap.add_argument("--agreement-modes", default="prefill,decode", help="prefill and/or decode (see (b) above)")
     ap.add_argument("--skip", default="", help="passkey and/or agreement, to skip a part")
     ap.add_argument("--model", default="smollm2")
     # engine settings that split a device-specific difference (same names as EngineConfig's fields)
@@ -206,12 +212,22 @@ def main(argv: list[str] | None = None) -> None:
         segments = text_segments(engine, path, args.segments, args.kl_context, args.continuation)
         result["agreement"] = {"text": path.name, "context_tokens": args.kl_context, "continuation_tokens": args.continuation,
                                "segments": len(segments), "rows": []}
-        dense = None
+        modes = [m.strip() for m in args.agreement_modes.split(",") if m.strip()]
+        if not set(modes) <= {"prefill", "decode"}:
+            raise SystemExit(f"--agreement-modes takes prefill and/or decode, not {args.agreement_modes!r}")
+        result["agreement"]["modes"] = modes
+        dense = {}
         for name, budget, spec in tqdm(cfgs, desc="agreement", unit="config"):
-            logits = continuation_logits(engine, spec, segments)
-            if dense is None:
-                dense = logits
-            result["agreement"]["rows"].append({"method": name, "budget_ratio": budget, **agreement(dense, logits)})
+            row = {"method": name, "budget_ratio": budget}
+            for mode in modes:
+                if mode == "prefill":
+                    logits = continuation_logits(engine, spec, segments)
+                else:
+                    logits = forced_decode_batch(engine, segments, spec)
+                dense.setdefault(mode, logits)
+                r = agreement(dense[mode], logits)
+                row.update(r if mode == "prefill" else {f"decode_{k}": v for k, v in r.items()})
+            result["agreement"]["rows"].append(row)
             save()
     save()
     print(json.dumps(result, indent=1))

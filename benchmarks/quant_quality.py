@@ -45,15 +45,24 @@ def forced_decode(engine: LLMEngine, ids: list[int], tokens: list[int]) -> torch
     float32. The quantized cache is read by decode attention exactly as in free-running generation;
     position i is the free-running token whenever positions before it agreed. Also used by
     tests/test_quant_methods.py and tests/test_quant_gpu.py."""
-    rid = engine.add_request(ids, SamplingParams(max_tokens=len(tokens), ignore_eos=True, return_logits=True))
-    seq = engine._seqs[rid]
-    done = 0
-    while done < len(tokens):
+    return forced_decode_batch(engine, [(ids, tokens)])[0]
+
+
+def forced_decode_batch(engine: LLMEngine, pairs: list[tuple[list[int], list[int]]], method=None) -> list[torch.Tensor]:
+    """``forced_decode`` for several (prompt, tokens) pairs decoded together in one batch, each with
+    ``method`` (a MethodSpec; None: the engine's default). benchmarks/quality.py measures decode-time
+    methods (quest, h2o, rkv, ...) with it."""
+    rids = [engine.add_request(ids, SamplingParams(max_tokens=len(tokens), ignore_eos=True, return_logits=True),
+                               method=method) for ids, tokens in pairs]
+    seqs = [engine._seqs[r] for r in rids]
+    done = [0] * len(pairs)
+    while any(d < len(t) for d, (_, t) in zip(done, pairs)):
         engine.step()
-        if len(seq.output_ids) > done:
-            seq.token_ids[-1] = tokens[done]
-            done += 1
-    return torch.stack(seq.step_logits).float()
+        for i, (seq, (_, tokens)) in enumerate(zip(seqs, pairs)):
+            if len(seq.output_ids) > done[i]:  # one new token per step: replace it by the reference's
+                seq.token_ids[-1] = tokens[done[i]]
+                done[i] += 1
+    return [torch.stack(seq.step_logits).float() for seq in seqs]
 
 
 def agreement(ref_logits: torch.Tensor, logits: torch.Tensor, tokens: list[int]) -> tuple[float, torch.Tensor, int]:

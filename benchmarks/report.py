@@ -215,11 +215,20 @@ def quality_section(d: dict, name: str = "quality") -> str:
                   "evicted = fraction of the prompt's KV freed.", table(rows, cols)]
     ag = d.get("agreement")
     if ag and ag.get("rows"):
-        rows, cols = _pivot(ag["rows"], [("top1_agreement", "top-1 agreement"), ("mean_kl", "mean KL")])
+        modes = ag.get("modes", ["prefill"])
+        metrics = []
+        if "prefill" in modes:
+            metrics += [("top1_agreement", "top-1 (prefill)"), ("mean_kl", "KL (prefill)")]
+        if "decode" in modes:
+            metrics += [("decode_top1_agreement", "top-1 (decode)"), ("decode_mean_kl", "KL (decode)")]
+        rows, cols = _pivot(ag["rows"], metrics)
         parts += [f"**(b) Agreement with dense, teacher-forced**: {ag['segments']} segments of `{ag['text']}`, "
-                  f"{ag['context_tokens']} context tokens compressed as a first turn, then {ag['continuation_tokens']} "
-                  "continuation tokens fed through the compressed cache; top-1 next-token agreement with dense and "
-                  "mean KL(dense || method) per position.", table(rows, cols)]
+                  f"{ag['context_tokens']} context tokens, then {ag['continuation_tokens']} continuation tokens; top-1 "
+                  "next-token agreement with dense and mean KL(dense || method) per position. (prefill): the context "
+                  "is a first turn the method compresses, the continuation a second turn prefilled through the "
+                  "compressed cache (the Chain Cache's path). (decode): the continuation goes through decode steps "
+                  "one token at a time, as generation reads the cache; decode-time methods (quest, omnikv, offload, "
+                  "h2o, rkv) act only here.", table(rows, cols)]
     if d.get("note"):
         parts.append(d["note"])
     return "\n\n".join(parts)

@@ -88,3 +88,32 @@ def test_prefill_is_causal_by_position():
             v = torch.cat([v_old, v_new[: i + 1, h]])
             for g in range(G):
                 torch.testing.assert_close(out[i, h * G + g], naive(q[i, h * G + g][None], k, v, D ** -0.5)[0])
+
+
+def test_non_finite_values_past_a_heads_end_are_never_read():
+    """Slots a view does not let attention read (past a head's end in its last page, or in the page
+    that a ``-1`` table entry of a shorter head is clamped to) may hold anything, NaN included:
+    a CUDA graph's padding rows write there. Decode and prefill must give the same output as with
+    zeros there (a masked softmax weight of 0 times NaN is NaN: the H200 bug of issue 3)."""
+    H, G, D, P = 2, 2, 8, 4
+    pool, mgr, kv = setup(H, G, D, P, [[13, 3]])  # uneven heads: head 1's table ends 3 pages early
+    n = 4
+    slots = mgr.append([0], [n], torch.arange(40, 40 + n))
+    ReferenceAttention().store_kv(pool, slots[0], torch.randn(n, H, D), torch.randn(n, H, D))
+    tables, lengths = mgr.view_tables(torch.arange(1), 0, mgr.max_pages)
+    view = AttentionView(tables, lengths, P)
+    q1, qn = torch.randn(1, H * G, D), torch.randn(n, H * G, D)
+    clean = (ReferenceAttention().decode(pool, view, q1, D ** -0.5)[0],
+             ReferenceAttention().prefill(pool, view, qn, torch.arange(40, 40 + n), D ** -0.5)[0])
+    readable = view.readable()[0]  # [H, T]
+    pages = tables[0].long().clamp(min=0)
+    flat = (pages[..., None] * P + torch.arange(P)).reshape(H, -1)
+    hidden = flat[~readable].unique()
+    hidden = hidden[~torch.isin(hidden, flat[readable])]  # (a clamped entry names a page another head reads)
+    assert hidden.numel() and (tables[0] < 0).any()
+    pool.k.view(-1, D)[hidden] = float("nan")
+    pool.v.view(-1, D)[hidden] = float("inf")
+    dirty = (ReferenceAttention().decode(pool, view, q1, D ** -0.5)[0],
+             ReferenceAttention().prefill(pool, view, qn, torch.arange(40, 40 + n), D ** -0.5)[0])
+    for a, b in zip(clean, dirty):
+        assert torch.equal(a, b)

@@ -106,6 +106,12 @@ def test_gpu_second_turn_after_uneven_head_eviction(tiny_models, dtype):
     second = torch.randint(0, 320, (60,), generator=gen).tolist()
     spec = MethodSpec("adakv", budget=64)
     engines = {"cuda": _engine(path, dtype=dtype)}
+    # first a graph decode with padding rows (3 requests in the 4-row graph): before the fix their
+    # attention over an empty slot was 0/0, and the NaN K/V they wrote to the scratch page was read
+    # through a shorter head's clamped -1 table entries in the next prefill
+    padded = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in (30, 50, 70)]
+    engines["cuda"].generate(padded, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert engines["cuda"].runner.graph_steps > 0
     if dtype == "float32":
         engines["cpu"] = LLMEngine(EngineConfig(model=path, num_pages=8192, prefill_chunk_size=96,
                                                 max_num_batched_tokens=512))

@@ -169,3 +169,33 @@ def test_fused_decoder_ops_match_torch():
     gu = torch.randn(4, 2 * 300, generator=g).to(DEV, DTYPE)
     ref = torch.nn.functional.silu(gu[:, :300]) * gu[:, 300:]
     assert rel_err(ops._silu_mul_triton(gu), ref) < TOL
+
+
+def test_empty_rows_give_zeros_and_hidden_slots_are_never_read():
+    """A row with nothing to read (a CUDA graph's padding row reads an empty cache slot) gives zeros,
+    not 0/0 = NaN: its K/V in the next layer is written to the pool. And a prefill must not let a
+    non-finite value in a slot its view hides (past a shorter head's end) reach the output."""
+    H, D, P, G = 2, 64, 16, 4
+    pool, mgr = build(H, D, P, [[70, 20]], seed=5)
+    mgr.open("empty")
+    rows = torch.tensor([0, mgr.slot("empty")], dtype=torch.int32, device=DEV)
+    q = torch.randn(2, H * G, D).to(DEV, DTYPE)
+    out, _ = paged_decode(q, pool.k, pool.v, mgr.tables_dev[:, 0], mgr.lengths_dev[:, 0], rows, D ** -0.5, splits=3)
+    assert bool(torch.isfinite(out).all()) and float(out[1].abs().max()) == 0
+
+    n = 8
+    slots = mgr.append([0], [n], torch.arange(100, 100 + n))
+    TritonPagedAttention(DEV).store_kv(pool, slots[0], torch.randn(n, H, D).to(DEV, DTYPE), torch.randn(n, H, D).to(DEV, DTYPE))
+    tables, lengths = mgr.view_tables(torch.arange(1, device=DEV), 0, mgr.max_pages)
+    view = AttentionView(tables, lengths, P)
+    qn, qpos = torch.randn(n, H * G, D).to(DEV, DTYPE), torch.arange(100, 100 + n, device=DEV)
+    clean, _ = TritonPagedAttention(DEV).prefill(pool, view, qn, qpos, D ** -0.5)
+    readable = view.readable()[0]
+    flat = (tables[0].long().clamp(min=0)[..., None] * P + torch.arange(P, device=DEV)).reshape(H, -1)
+    hidden = flat[~readable].unique()
+    hidden = hidden[~torch.isin(hidden, flat[readable])]
+    assert hidden.numel()
+    pool.k.view(-1, D)[hidden] = float("nan")
+    pool.v.view(-1, D)[hidden] = float("nan")
+    dirty, _ = TritonPagedAttention(DEV).prefill(pool, view, qn, qpos, D ** -0.5)
+    assert torch.equal(clean, dirty)

@@ -33,7 +33,8 @@ class ReferenceAttention:
         pool.write_tokens(slots, k, v)
 
     @staticmethod
-    def _gather(pool: PagePool, view: AttentionView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _gather(pool: PagePool, view: AttentionView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """k, v ``[B, H, T, D]``, positions and the view's readable mask ``[B, H, T]``."""
         B, H, NP = view.tables.shape
         pages = view.tables.long().clamp(min=0)
         T = NP * pool.page_size
@@ -41,7 +42,11 @@ class ReferenceAttention:
         k = k.reshape(B, H, T, pool.head_dim)
         v = v.reshape(B, H, T, pool.head_dim)
         pos = pool.pos[pages].reshape(B, H, T)
-        return k, v, pos
+        # slots the view does not let attention read are zeroed, not only masked: probabilities of 0
+        # times a non-finite value there (a slot past a head's end, a page the table does not name) is NaN
+        readable = view.readable()
+        hidden = ~readable[..., None]
+        return k.masked_fill(hidden, 0), v.masked_fill(hidden, 0), pos, readable
 
     def decode(self, pool: PagePool, view: AttentionView, q: torch.Tensor, scale: float,
                want_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -49,9 +54,8 @@ class ReferenceAttention:
         B, Hq, D = q.shape
         H = view.tables.shape[1]
         G = Hq // H
-        k, v, _ = self._gather(pool, view)
+        k, v, _, mask = self._gather(pool, view)
         scores = torch.einsum("bhgd,bhtd->bhgt", q.view(B, H, G, D).float(), k.float()) * scale
-        mask = view.readable()
         scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.einsum("bhgt,bhtd->bhgd", probs, v.float()).reshape(B, Hq, D).to(q.dtype)
@@ -69,11 +73,11 @@ class ReferenceAttention:
         n, Hq, D = q.shape
         H = view.tables.shape[1]
         G = Hq // H
-        k, v, kpos = self._gather(pool, view)
+        k, v, kpos, readable = self._gather(pool, view)
         k, v, kpos = k[0], v[0], kpos[0]  # [H, T, D], [H, T]
         if chunk_kv is not None:
             overlay_chunk(k, v, view.lengths[0], chunk_kv)
-        mask = view.readable()[0][:, None, :] & (kpos[:, None, :] <= q_pos.to(kpos.device)[None, :, None])  # [H, n, T]
+        mask = readable[0][:, None, :] & (kpos[:, None, :] <= q_pos.to(kpos.device)[None, :, None])  # [H, n, T]
         qh = q.view(n, H, G, D).permute(1, 2, 0, 3).float()  # [H, G, n, D]
         scores = torch.einsum("hgnd,htd->hgnt", qh, k.float()) * scale
         scores = scores.masked_fill(~mask[:, None], float("-inf"))

@@ -111,7 +111,9 @@ def _decode_reduce_kernel(Acc, Mx, Sm, Out, Lse, SPLITS: tl.constexpr, SP: tl.co
     w = tl.exp(m - m_safe)
     total = tl.sum(w * l, 0)
     acc = tl.load(Acc + (r * SPLITS + s)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / total
+    # a row with nothing to read (a CUDA graph's padding row, an empty selection) gives zeros, not
+    # 0/0: its K/V in the next layer is written to the pool and must stay finite
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(Out + r * D + d, out.to(Out.dtype.element_ty))
     tl.store(Lse + r, m_safe + tl.log(total))
 
@@ -282,7 +284,12 @@ class TritonPagedAttention:
 
             overlay_chunk(k, v, view.lengths[0], chunk_kv)
         kpos = pool.pos[pages].reshape(H, T)
-        mask = view.readable()[0][:, None, :] & (kpos[:, None, :] <= q_pos[None, :, None])  # [H, n, T]
+        readable = view.readable()[0]  # [H, T]
+        # what the view does not let us read is zeroed, not only masked: SDPA adds the mask as a bias
+        # and multiplies probabilities by V, so a non-finite value there (a slot past a head's end,
+        # a page the table does not name) would turn the whole row into NaN
+        k, v = k.masked_fill(~readable[..., None], 0), v.masked_fill(~readable[..., None], 0)
+        mask = readable[:, None, :] & (kpos[:, None, :] <= q_pos[None, :, None])  # [H, n, T]
         qh = q.permute(1, 0, 2).reshape(H, G, n, D)
         out = F.scaled_dot_product_attention(qh, k[:, None].expand(H, G, T, D), v[:, None].expand(H, G, T, D),
                                              attn_mask=mask[:, None], scale=scale)
