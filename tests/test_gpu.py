@@ -98,8 +98,8 @@ def test_gpu_streaming_eviction_and_sessions(tiny_models):
 def test_gpu_second_turn_after_uneven_head_eviction(tiny_models, dtype):
     """adakv leaves kv-heads with different lengths; a second turn's prompt logits (teacher-forced,
     as benchmarks/quality.py reads them) must stay finite and, in float32, match the CPU engine.
-    On the H200 with SmolLM2 (bf16) quality.py read NaN here (2026-12-03, issue 3): this is the
-    small-model form of that check."""
+    On the H200 with SmolLM2 quality.py read NaN here (issue 3) once a padded CUDA-graph decode had
+    run in the same engine: this is the small-model form of that sequence."""
     path, _ = tiny_models("llama")
     gen = torch.Generator().manual_seed(11)
     first = torch.randint(0, 320, (400,), generator=gen).tolist()

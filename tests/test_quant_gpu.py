@@ -59,6 +59,7 @@ def test_gpu_pool_memory_is_really_smaller(method, args, ratio):
 
     def build(name, a):
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_allocated(dev)
         fmt = make_format(name, a, 32, 128, torch.bfloat16)
         pool = PagePool(20000, 32, 128, torch.bfloat16, dev, format=fmt, max_open_pages=1025)  # 32 sequences x 32 layers
@@ -67,8 +68,11 @@ def test_gpu_pool_memory_is_really_smaller(method, args, ratio):
 
     plain, plain_bytes = build("plain", {})
     pool, used = build(method, args)
-    assert abs(used - pool.storage_bytes) <= 0.01 * used
-    assert abs(plain_bytes - plain.storage_bytes) <= 0.01 * plain_bytes
+    # the allocator hands out whole blocks (a large tensor's is rounded up to 2 MiB): allow one
+    # block's rounding on top of 1%
+    slack = 2 * 2**20
+    assert abs(used - pool.storage_bytes) <= 0.01 * used + slack
+    assert abs(plain_bytes - plain.storage_bytes) <= 0.01 * plain_bytes + slack
     assert pool.bytes_per_page <= ratio * plain.bytes_per_page
     assert used <= ratio * plain_bytes
 
