@@ -13,8 +13,9 @@ what attention reads changes, so the selection adapts to every new query.
 
 Implementation: the bounds live beside the pool, by physical page id (``PageBounds``, whose
 docstring says how they stay right across forks, snapshots and compaction); a decode step scores
-every page of every row of the batch at once (a gather through the page tables and two batched
-matrix products) and picks each head's pages with one top-k, on the device, without host syncs.
+every page of every row of the batch at once (on the GPU one Triton kernel reads the bounds through
+the page tables, ``quest_triton``; elsewhere a gather and two batched matrix products) and picks
+each head's pages with one top-k, on the device, without host syncs.
 With a budget in tokens (not a ratio: the number of pages then depends on each row's length) that
 step runs inside the decode CUDA graph (``graph_decode_view``); the host only checks, before each
 replay, that no sequence's page layout changed (``prepare_graph_decode``).
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.lifecycle import DecodeBatch, MethodError, PrefillChunk, Selection, SparseMethod
+from engine.methods import quest_triton
 from engine.methods.page_bounds import PageBounds
 from engine.methods.page_selection import select_pages
 
@@ -99,7 +101,10 @@ class Quest(SparseMethod):
         p = self.params
         bounds = self.bounds(cache)
         bounds.refresh_current(tables, lengths)
-        scores = page_scores(q, *bounds.gather(tables))
+        if quest_triton.fused(q):  # one kernel reads the bounds through the tables (GPU)
+            scores = quest_triton.page_scores_fused(q, bounds.lo, bounds.hi, tables)
+        else:
+            scores = page_scores(q, *bounds.gather(tables))
         return select_pages(scores, lengths, self.shape.page_size, k, p.n_sink_pages, p.n_recent_pages)
 
     # --- inside the decode CUDA graph ----------------------------------------------------------
