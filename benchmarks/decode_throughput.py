@@ -69,20 +69,42 @@ def adaptive_lengths(engine: LLMEngine, kept: int, ctx: int) -> torch.Tensor:
     return adakv_lengths(engine, kept).clamp(max=ctx - 1)
 
 
+def all_tokens(lengths: torch.Tensor, spec: MethodSpec | None, page_size: int) -> int:
+    """K/V tokens a decode step reads from a sequence whose heads hold ``lengths`` ``[L, H]``: all of them."""
+    return int(lengths.sum())
+
+
+def quest_tokens(lengths: torch.Tensor, spec: MethodSpec, page_size: int) -> int:
+    """What a quest step reads, in K/V-token equivalents: everything in its first ``dense_layers``
+    layers; in the others its ``budget / page_size`` pages per head (sink and recent included) plus
+    every page's bounds (a min and a max row of D: the bytes of one token's K and V)."""
+    from engine.methods.quest import QuestParams
+
+    p = QuestParams(**spec.method_args)
+    dense, sparse = lengths[: p.dense_layers], lengths[p.dense_layers :].long()
+    pages = (sparse + page_size - 1) // page_size
+    k = max(-(-spec.budget // page_size), p.n_sink_pages + p.n_recent_pages)
+    read = torch.minimum(sparse, pages.clamp(max=k) * page_size)
+    return int(dense.sum()) + int(read.sum()) + int(pages.sum())
+
+
 @dataclass(frozen=True)
 class BenchMethod:
     """A method as this benchmark runs it. ``spec(budget)``: its MethodSpec for a token budget (2,048 by
     default), with any extra method args; ``head_lengths(engine, kept, ctx)``: the per-(layer, kv-head)
     cache lengths a synthetic row fills, given the ``kept`` tokens per head the method reports
-    (``SparseMethod.kept_tokens``): an int (every head alike) or an ``[L, H]`` tensor."""
+    (``SparseMethod.kept_tokens``): an int (every head alike) or an ``[L, H]`` tensor;
+    ``read_tokens(lengths, spec, page_size)``: the K/V a decode step reads from such a cache (the
+    roofline's bytes): all of it, except for a method that selects what it reads."""
 
     spec: Callable[[int], MethodSpec]
     head_lengths: Callable[[LLMEngine, int, int], int | torch.Tensor] = uniform_lengths
+    read_tokens: Callable[[torch.Tensor, MethodSpec | None, int], int] = all_tokens
 
 
 METHOD_SPECS = {
     "snapkv": BenchMethod(lambda b: MethodSpec("snapkv", budget=b)),
-    "quest": BenchMethod(lambda b: MethodSpec("quest", budget=b)),
+    "quest": BenchMethod(lambda b: MethodSpec("quest", budget=b), read_tokens=quest_tokens),
     "streaming_llm": BenchMethod(lambda b: MethodSpec("streaming_llm", budget=b, method_args={"slack": 32})),
     "adakv": BenchMethod(lambda b: MethodSpec("adakv", budget=b), head_lengths=adaptive_lengths),
 }
@@ -173,10 +195,16 @@ def weight_bytes(engine: LLMEngine, batch: int) -> int:
     return total
 
 
-def kv_bytes(engine: LLMEngine, rids) -> int:
+def kv_bytes(engine: LLMEngine, rids, read: Callable = all_tokens, spec: MethodSpec | None = None) -> int:
+    """Bytes of K/V a decode step of ``rids`` reads (``read``: a BenchMethod's ``read_tokens``)."""
     D = engine.model_config.head_dim
     elem = engine.pool.k.element_size()
-    return sum(int(engine.manager.seq_lengths(r).sum()) for r in rids) * D * 2 * elem
+    P = engine.manager.page_size
+    return sum(read(engine.manager.seq_lengths(r), spec, P) for r in rids) * D * 2 * elem
+
+
+def read_rule(method: str) -> Callable:
+    return METHOD_SPECS[method].read_tokens if method in METHOD_SPECS else all_tokens
 
 
 def max_batch(engine: LLMEngine, kv_tokens: int, steps: int) -> int:
@@ -200,7 +228,7 @@ def synthetic_row(engine, method: str, spec: MethodSpec | None, batch: int, ctx:
     params = SamplingParams(max_tokens=steps + 16, ignore_eos=True)
     rids = [engine.add_prefilled_request(ctx, kv, params, method=spec, seed=i) for i in range(batch)]
     step_ms = timed_decode(engine, rids, steps)
-    nbytes = weight_bytes(engine, batch) + kv_bytes(engine, rids)
+    nbytes = weight_bytes(engine, batch) + kv_bytes(engine, rids, read_rule(method), spec)
     for r in rids:
         engine.abort(r)
     return {"method": method, "batch": batch, "context": ctx, "budget": None if spec is None else spec.budget,
@@ -220,7 +248,7 @@ def real_prefill_row(engine, method: str, spec: MethodSpec | None, batch: int, c
     torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
     step_ms = timed_decode(engine, rids, steps)
-    nbytes = weight_bytes(engine, batch) + kv_bytes(engine, rids)
+    nbytes = weight_bytes(engine, batch) + kv_bytes(engine, rids, read_rule(method), spec)
     kv_per_head = kv_bytes(engine, rids) / (batch * engine.shape.num_layers * engine.shape.num_kv_heads *
                                             engine.model_config.head_dim * 2 * engine.pool.k.element_size())
     for r in rids:
