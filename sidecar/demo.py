@@ -74,11 +74,16 @@ def run_tool(name: str, arguments_json: str) -> str:
     return f"error: unknown tool {name!r}"
 
 
+# where a turn found its session's KV, in words (TIER_GPU means the engine's device, a CPU included)
+TIER_WORDS = {pb.TIER_NEW: "a new session", pb.TIER_GPU: "KV in device memory", pb.TIER_HOST: "KV in host memory",
+              pb.TIER_STORE: "KV from the session store", pb.TIER_RECOMPUTE: "KV recomputed"}
+
+
 def _usage_line(c: pb.TurnCompletion) -> str:
     u = c.usage
     return (f"[turn {c.turn_index}: {u.prompt_tokens} new tokens, {u.reused_tokens} reused from cache, "
             f"{u.prefilled_tokens} prefilled, {u.generated_tokens} generated, "
-            f"ttft {u.time_to_first_token_s * 1000:.0f} ms, from {pb.Tier.Name(u.source_tier)[5:].lower()}, "
+            f"ttft {u.time_to_first_token_s * 1000:.0f} ms, {TIER_WORDS.get(u.source_tier, 'tier unknown')}, "
             f"history {u.history_tokens} tokens, finish {pb.FinishReason.Name(c.finish_reason)[14:].lower()}]")
 
 
