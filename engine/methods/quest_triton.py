@@ -22,7 +22,10 @@ except ImportError:  # pragma: no cover - depends on the install
 
 
 def fused(q: torch.Tensor) -> bool:
-    return triton is not None and q.is_cuda
+    """The kernel serves ``q`` on a CUDA device whose head_dim is a power of two of at least 16 (its
+    matrix products need K >= 16); anything else takes the torch form."""
+    D = q.shape[-1]
+    return triton is not None and q.is_cuda and D >= 16 and D & (D - 1) == 0
 
 
 def page_scores_fused(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, tables: torch.Tensor,
