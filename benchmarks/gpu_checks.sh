@@ -13,7 +13,7 @@ python3 -c "import torch, triton, transformers, grpc; print('torch', torch.__ver
 if [ "$mode" != perf ]; then
 gpu_tests=$(grep -l "cuda.is_available" tests/*.py tests/reliability/*.py 2>/dev/null | tr '\n' ' ')
 echo "python3 -m pytest -q $gpu_tests" | tee "$out/gpu_tests.txt"
-python3 -m pytest -q -p no:cacheprovider -rs $gpu_tests 2>&1 | tail -25 | tee -a "$out/gpu_tests.txt"
+python3 -m pytest -q -p no:cacheprovider -rfEs $gpu_tests 2>&1 | tail -25 | tee -a "$out/gpu_tests.txt"
 fi
 case "$mode" in
   tests) ;;

@@ -30,7 +30,7 @@ parts=",${PARTS:-tests,eviction,selection},"  # a subset, e.g. PARTS=tests,selec
 if [[ $parts == *,tests,* ]]; then
   gpu_tests=$(grep -l "cuda.is_available" tests/*.py tests/reliability/*.py 2>/dev/null | tr '\n' ' ')
   echo "python3 -m pytest -q $gpu_tests" | tee "$out/gpu_tests.txt"
-  timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -rs $gpu_tests 2>&1 | tail -30 | tee -a "$out/gpu_tests.txt"
+  timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -rfEs $gpu_tests 2>&1 | tail -30 | tee -a "$out/gpu_tests.txt"
 fi
 
 eviction=streaming_llm,h2o,tova,snapkv,pyramidkv,adakv,keydiff,expected_attention,kvzip,rkv
