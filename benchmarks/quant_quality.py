@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -91,10 +92,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prefill-chunk-size", type=int, default=2048,
+                    help="the default prefills each prompt in one chunk, in full precision, as KIVI does")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quant_quality.json"))
     a = ap.parse_args()
-    base = dict(device=a.device, num_pages=8000, max_num_seqs=4, max_cached_seqs=8, prefill_chunk_size=128,
-                max_num_batched_tokens=1024, cuda_graphs=False)
+    base = dict(device=a.device, num_pages=8000, max_num_seqs=4, max_cached_seqs=8, prefill_chunk_size=a.prefill_chunk_size,
+                max_num_batched_tokens=max(1024, a.prefill_chunk_size), cuda_graphs=False)
     dense = LLMEngine(EngineConfig(**base))
     refs = {}
     for name, msgs in PROMPTS.items():
@@ -119,7 +122,9 @@ def main() -> None:
             print(json.dumps(rows[-1]), f"({time.time() - t0:.1f}s)", flush=True)
         del eng
     result = {"device": str(dense.device), "dtype": str(dense.dtype), "model": "SmolLM2-135M-Instruct",
-              "tokens": a.tokens, "page_size": dense.pool.page_size, "bf16_bytes_per_token": bf16, "rows": rows}
+              "command": "python benchmarks/quant_quality.py " + " ".join(sys.argv[1:]),
+              "tokens": a.tokens, "page_size": dense.pool.page_size, "prefill_chunk_size": a.prefill_chunk_size,
+              "bf16_bytes_per_token": bf16, "rows": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {a.out}")

@@ -78,7 +78,7 @@ def quant_section(d: dict) -> str:
         "session's pages (codes, scales, zero points, positions, and a full-precision staging page for each open "
         f"kivi page), against {d['bf16_bytes_per_token']:.0f} B for a bf16 plain page.",
         table(d["rows"], cols),
-    ])
+    ] + ([d["note"]] if d.get("note") else []))
 
 
 def generic_section(name: str, d: dict) -> str:
