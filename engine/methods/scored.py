@@ -17,6 +17,7 @@ The selection helpers are plain functions so the tests can check them against th
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
@@ -110,7 +111,7 @@ def group_mean(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return x.reshape(num_kv_heads, -1, *x.shape[1:]).mean(1)
 
 
-class ScoredEviction(SparseMethod):
+class ScoredEviction(SparseMethod, ABC):
     """Base of the prefill-end eviction methods: score each head's tokens, keep the top."""
 
     needs_budget = True
@@ -127,9 +128,9 @@ class ScoredEviction(SparseMethod):
     def probs_window(self, chunk: ChunkInfo) -> int:
         return 0
 
+    @abstractmethod
     def score(self, layer: int, chunk: PrefillChunk) -> torch.Tensor:
         """The method's rule (every subclass defines it): ``[H, T]`` scores, higher is kept."""
-        raise NotImplementedError(f"{type(self).__name__} must define score(): the rule that ranks its tokens")
 
     def layer_budgets(self, layer: int, lengths: torch.Tensor, num_tokens: int) -> list[int]:
         return [self.budget_for(num_tokens)] * len(lengths)
