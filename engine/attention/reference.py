@@ -25,6 +25,23 @@ def overlay_chunk(k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, chunk
     v.scatter_(1, idx, vc.permute(1, 0, 2).to(v.dtype))
 
 
+def gather_view(pool: PagePool, view: AttentionView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What ``view`` lets attention read, gathered: k, v ``[B, H, T, D]`` (model dtype), key positions
+    and the readable mask ``[B, H, T]``. Slots the view does not let attention read are zeroed, not
+    only masked: a probability of 0 times a non-finite value there (a slot past a head's end, a page
+    the table does not name) is NaN, and SDPA adds its mask as a bias. Both backends gather with it."""
+    B, H, NP = view.tables.shape
+    pages = view.tables.long().clamp(min=0)
+    T = NP * pool.page_size
+    k, v = pool.read_pages(pages)  # dequantized for quantized page formats
+    k = k.reshape(B, H, T, pool.head_dim)
+    v = v.reshape(B, H, T, pool.head_dim)
+    pos = pool.pos[pages].reshape(B, H, T)
+    readable = view.readable()
+    hidden = ~readable[..., None]
+    return k.masked_fill(hidden, 0), v.masked_fill(hidden, 0), pos, readable
+
+
 class ReferenceAttention:
     name = "reference"
 
@@ -32,29 +49,13 @@ class ReferenceAttention:
         """Write new tokens' K/V (``[N, H, D]``) at flat pool indices ``slots`` (``[N, H]``)."""
         pool.write_tokens(slots, k, v)
 
-    @staticmethod
-    def _gather(pool: PagePool, view: AttentionView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """k, v ``[B, H, T, D]``, positions and the view's readable mask ``[B, H, T]``."""
-        B, H, NP = view.tables.shape
-        pages = view.tables.long().clamp(min=0)
-        T = NP * pool.page_size
-        k, v = pool.read_pages(pages)  # dequantized for quantized page formats
-        k = k.reshape(B, H, T, pool.head_dim)
-        v = v.reshape(B, H, T, pool.head_dim)
-        pos = pool.pos[pages].reshape(B, H, T)
-        # slots the view does not let attention read are zeroed, not only masked: probabilities of 0
-        # times a non-finite value there (a slot past a head's end, a page the table does not name) is NaN
-        readable = view.readable()
-        hidden = ~readable[..., None]
-        return k.masked_fill(hidden, 0), v.masked_fill(hidden, 0), pos, readable
-
     def decode(self, pool: PagePool, view: AttentionView, q: torch.Tensor, scale: float,
                want_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One query per sequence: q ``[B, Hq, D]`` -> out ``[B, Hq, D]``, probs ``[B, Hq, T]``."""
         B, Hq, D = q.shape
         H = view.tables.shape[1]
         G = Hq // H
-        k, v, _, mask = self._gather(pool, view)
+        k, v, _, mask = gather_view(pool, view)
         scores = torch.einsum("bhgd,bhtd->bhgt", q.view(B, H, G, D).float(), k.float()) * scale
         scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
@@ -73,7 +74,7 @@ class ReferenceAttention:
         n, Hq, D = q.shape
         H = view.tables.shape[1]
         G = Hq // H
-        k, v, kpos, readable = self._gather(pool, view)
+        k, v, kpos, readable = gather_view(pool, view)
         k, v, kpos = k[0], v[0], kpos[0]  # [H, T, D], [H, T]
         if chunk_kv is not None:
             overlay_chunk(k, v, view.lengths[0], chunk_kv)

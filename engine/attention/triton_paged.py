@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine.attention.reference import ReferenceAttention, gather_view, overlay_chunk
 from engine.cache.pages import PagePool
 from engine.cache.view import AttentionView
 
@@ -248,8 +249,6 @@ class TritonPagedAttention:
         if view.token_mask is not None or not pool.format.plain:
             # token-level selections, and quantized pages (dequantize, then attend), go through
             # the reference path
-            from engine.attention.reference import ReferenceAttention
-
             return ReferenceAttention().decode(pool, view, q, scale, want_probs)
         if view.selected_pages is not None:
             sp = view.selected_pages
@@ -274,21 +273,10 @@ class TritonPagedAttention:
         n, Hq, D = q.shape
         H, NP = view.tables.shape[1], view.tables.shape[2]
         G = Hq // H
-        P = pool.page_size
-        pages = view.tables[0].long().clamp(min=0)  # [H, NP]
-        T = NP * P
-        k, v = pool.read_pages(pages)  # dequantized for quantized page formats
-        k, v = k.reshape(H, T, D), v.reshape(H, T, D)
+        T = NP * pool.page_size
+        k, v, kpos, readable = (x[0] for x in gather_view(pool, view))  # [H, T, D], [H, T]; hidden slots zeroed
         if chunk_kv is not None:  # the chunk's own K/V in full precision (quantized formats)
-            from engine.attention.reference import overlay_chunk
-
             overlay_chunk(k, v, view.lengths[0], chunk_kv)
-        kpos = pool.pos[pages].reshape(H, T)
-        readable = view.readable()[0]  # [H, T]
-        # what the view does not let us read is zeroed, not only masked: SDPA adds the mask as a bias
-        # and multiplies probabilities by V, so a non-finite value there (a slot past a head's end,
-        # a page the table does not name) would turn the whole row into NaN
-        k, v = k.masked_fill(~readable[..., None], 0), v.masked_fill(~readable[..., None], 0)
         mask = readable[:, None, :] & (kpos[:, None, :] <= q_pos[None, :, None])  # [H, n, T]
         qh = q.permute(1, 0, 2).reshape(H, G, n, D)
         out = F.scaled_dot_product_attention(qh, k[:, None].expand(H, G, T, D), v[:, None].expand(H, G, T, D),
