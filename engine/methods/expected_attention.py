@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cache.manager import to_device
 from engine.lifecycle import MethodError, PrefillChunk
-from engine.methods.scored import ScoredEviction, force_keep, on_device
+from engine.methods.scored import ScoredEviction, force_keep
 
 
 @dataclass
@@ -94,7 +95,7 @@ def expected_attention_scores(k: torch.Tensor, v: torch.Tensor, lengths: torch.T
     if cov is not None:
         logits = logits + torch.einsum("htd,hde,hte->ht", kf, cov.float(), kf) / (2 * D)
     t = torch.arange(T, device=k.device)
-    lengths = on_device(lengths, k.device)
+    lengths = to_device(lengths, k.device)
     n = lengths.repeat_interleave(G)[:, None]
     logits = logits.masked_fill((t >= n) | (t < n_sink), float("-inf"))
     scores = torch.softmax(logits, dim=-1).nan_to_num(0.0).reshape(H, G, T).mean(1)

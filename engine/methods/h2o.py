@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.cache.manager import to_device
 from engine.lifecycle import ChunkInfo, DecodeBatch, MethodError, PrefillChunk
-from engine.methods.scored import ScoredEviction, force_keep, on_device, topk_per_head
+from engine.methods.scored import ScoredEviction, force_keep, topk_per_head
 
 
 @dataclass
@@ -47,7 +48,7 @@ def h2o_scores(acc: torch.Tensor, lengths: torch.Tensor, recent: int) -> torch.T
     """Accumulated attention with each head's last ``recent`` tokens forced to the top."""
     T = acc.shape[-1]
     t = torch.arange(T, device=acc.device)
-    n = on_device(lengths, acc.device)[:, None]
+    n = to_device(lengths, acc.device)[:, None]
     return force_keep(acc.masked_fill(t >= n, float("-inf")), (t >= n - recent) & (t < n))
 
 
@@ -84,8 +85,8 @@ class H2O(ScoredEviction):
     def on_kept(self, layer: int, seq_id, keep) -> None:
         acc = self._acc[(seq_id, layer)]
         # keep may be on the device (topk_per_head) or the host: gather on the device without a sync
-        heads = [on_device(torch.as_tensor(k, dtype=torch.int64).reshape(-1), acc.device) for k in keep]
-        counts = on_device(torch.tensor([k.numel() for k in heads]), acc.device)
+        heads = [to_device(torch.as_tensor(k, dtype=torch.int64).reshape(-1), acc.device) for k in keep]
+        counts = to_device(torch.tensor([k.numel() for k in heads]), acc.device)
         idx = torch.nn.utils.rnn.pad_sequence(heads, batch_first=True)  # [H, width], 0 past a head's count
         pad = torch.arange(idx.shape[1], device=acc.device)[None, :] >= counts[:, None]
         new = torch.gather(acc, 1, idx).masked_fill(pad, 0.0)

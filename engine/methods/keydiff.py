@@ -16,14 +16,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.cache.manager import to_device
 from engine.lifecycle import PrefillChunk
-from engine.methods.scored import ScoredEviction, on_device
+from engine.methods.scored import ScoredEviction
 
 
 def keydiff_scores(k: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Keys ``[H, T, D]`` (padded past each head's length) -> ``[H, T]`` = -cos(key, mean unit key)."""
     H, T, _ = k.shape
-    valid = (torch.arange(T, device=k.device)[None, :] < on_device(lengths, k.device)[:, None]).float()
+    valid = (torch.arange(T, device=k.device)[None, :] < to_device(lengths, k.device)[:, None]).float()
     unit = F.normalize(k.float(), dim=-1) * valid[..., None]
     anchor = unit.sum(1, keepdim=True) / valid.sum(1).clamp(min=1)[:, None, None]
     return -F.cosine_similarity(k.float(), anchor, dim=-1)

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cache.manager import to_device
 from engine.lifecycle import MethodError, PrefillChunk, ScoringPass, SeqInfo, SparseMethod
-from engine.methods.scored import on_device, topk_per_head
+from engine.methods.scored import topk_per_head
 
 
 @dataclass
@@ -50,7 +51,7 @@ def reconstruction_scores(probs: torch.Tensor, context_lengths: torch.Tensor) ->
     Tc = int(context_lengths.max())
     scores = probs[..., :Tc].float().reshape(H, Hq // H * n, Tc).amax(1)
     t = torch.arange(Tc, device=scores.device)
-    return scores.masked_fill(t[None, :] >= on_device(context_lengths, scores.device)[:, None], float("-inf"))
+    return scores.masked_fill(t[None, :] >= to_device(context_lengths, scores.device)[:, None], float("-inf"))
 
 
 class KVzip(SparseMethod):

@@ -26,19 +26,11 @@ from engine.cache.manager import to_device
 from engine.lifecycle import ChunkInfo, PrefillChunk, SparseMethod
 
 
-def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor (lengths, counts) on ``device`` without making the host wait for the
-    work queued there (a pinned, non-blocking copy); a device tensor as it is."""
-    if t.device.type != "cpu":
-        return t.to(device)
-    return to_device(t, device)
-
-
 def mask_past_lengths(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """``scores`` ``[H, T]`` with every position past a head's length set to -inf."""
     T = scores.shape[-1]
     t = torch.arange(T, device=scores.device)
-    return scores.masked_fill(t[None, :] >= on_device(lengths, scores.device)[:, None], float("-inf"))
+    return scores.masked_fill(t[None, :] >= to_device(lengths, scores.device)[:, None], float("-inf"))
 
 
 def topk_per_head(scores: torch.Tensor, lengths: torch.Tensor, budgets) -> list[torch.Tensor]:
@@ -64,7 +56,7 @@ def topk_per_head(scores: torch.Tensor, lengths: torch.Tensor, budgets) -> list[
     else:
         idx = torch.full((H, max(k for _, k in groups)), scores.shape[-1], dtype=torch.int64, device=dev)
         for (length, k), heads in groups.items():
-            rows = on_device(torch.tensor(heads), dev)
+            rows = to_device(torch.tensor(heads), dev)
             idx[rows, :k] = scores.index_select(0, rows)[:, :length].float().topk(k, dim=-1).indices
     idx = idx.sort(dim=-1).values
     for (_, k), heads in groups.items():

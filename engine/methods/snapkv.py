@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cache.manager import to_device
 from engine.lifecycle import ChunkInfo, DecodeBatch, MethodError, PrefillChunk
 from engine.methods.decode_window import DecodeWindow, window_probs
-from engine.methods.scored import ScoredEviction, force_keep, on_device, pool_1d, topk_per_head
+from engine.methods.scored import ScoredEviction, force_keep, pool_1d, topk_per_head
 
 
 @dataclass
@@ -48,7 +49,7 @@ def snapkv_scores(probs: torch.Tensor, lengths: torch.Tensor, kernel_size: int, 
     H = len(lengths)
     G = Hq // H
     Tmax = int(lengths.max())  # host lengths: no device sync
-    n = on_device(lengths, probs.device)[:, None]
+    n = to_device(lengths, probs.device)[:, None]
     t = torch.arange(Tmax, device=probs.device)[None, :]
     prefix = t < (n - w).clamp(min=0)  # [H, Tmax]
     summed = probs[..., :Tmax].float().sum(1)  # [Hq, T]
