@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import math
 import random
@@ -52,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from agent_adapters.client import AsyncChainKVClient  # noqa: E402
 from agent_adapters.messages import TextDelta, TurnResult  # noqa: E402
+from benchmarks.serving_profile import ServingProfile, print_report  # noqa: E402
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -135,7 +137,7 @@ async def one_turn(client: AsyncChainKVClient, session_id: str, messages: list[d
             "tpot_s": (t1 - t_first) / max(1, u.generated_tokens - 1), "prompt_tokens": u.prompt_tokens,
             "reused_tokens": u.reused_tokens, "prefilled_tokens": u.prefilled_tokens, "pruned_tokens": u.pruned_tokens,
             "generated_tokens": u.generated_tokens, "history_tokens": u.history_tokens, "kv_tokens": u.kv_tokens,
-            "text": result.text}
+            "source_tier": u.source_tier, "text": result.text}
 
 
 async def run_config(client: AsyncChainKVClient, cfg: Config, trace, thinks, args, tag: str) -> list[dict]:
@@ -187,10 +189,12 @@ def summarize(cfg: str, rows: list[dict], makespan: float) -> dict:
     turns = sorted({r["turn"] for r in rows})
     return {
         "config": cfg, "turns": len(rows), "mean_ttft_s": statistics.fmean(ttft),
-        "p90_ttft_s": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))],
+        "p50_ttft_s": ttft[len(ttft) // 2], "p90_ttft_s": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))],
         "mean_ttft_later_turns_s": statistics.fmean(r["ttft_s"] for r in later) if later else None,
         "mean_tpot_s": statistics.fmean(r["tpot_s"] for r in rows),
         "mean_jct_s": statistics.fmean(jct), "mean_busy_s": statistics.fmean(busy), "makespan_s": makespan,
+        "sessions_per_min": 60.0 * len(by_session) / makespan,
+        "source_tiers": dict(collections.Counter(r["source_tier"] for r in rows)),
         "prefilled_tokens": sum(r["prefilled_tokens"] for r in rows),
         "reused_tokens": sum(r["reused_tokens"] for r in rows),
         "pruned_tokens": sum(r["pruned_tokens"] for r in rows),
@@ -200,7 +204,7 @@ def summarize(cfg: str, rows: list[dict], makespan: float) -> dict:
     }
 
 
-async def replay(target: str, args, params: TraceParams) -> dict:
+async def replay(target: str, args, params: TraceParams, profile=None) -> dict:
     trace, thinks = make_trace(params)
     configs = [Config.parse(c.strip()) for c in args.configs.split(",") if c.strip()]
     summaries, all_rows, skipped = [], [], []
@@ -218,15 +222,21 @@ async def replay(target: str, args, params: TraceParams) -> dict:
                 print(f"{cfg.name}: skipped: {reason}")
                 skipped.append({"config": cfg.name, "reason": reason})
                 continue
+            if profile is not None:
+                profile.reset()
             t0 = time.perf_counter()
             rows = await run_config(client, cfg, trace, thinks, args, "run")
             summaries.append(summarize(cfg.name, rows, time.perf_counter() - t0))
+            if profile is not None:
+                summaries[-1]["profile"] = profile.report()
             all_rows += rows
             s = summaries[-1]
             print(f"{cfg.name:<16} ttft {s['mean_ttft_s'] * 1e3:8.1f} ms  later turns "
                   f"{(s['mean_ttft_later_turns_s'] or 0) * 1e3:8.1f} ms  tpot {s['mean_tpot_s'] * 1e3:6.1f} ms  "
                   f"busy {s['mean_busy_s']:7.2f} s  jct {s['mean_jct_s']:7.2f} s  makespan {s['makespan_s']:7.2f} s  "
                   f"prefilled {s['prefilled_tokens']:>7}  reused {s['reused_tokens']:>7}  pruned {s['pruned_tokens']:>6}")
+            if profile is not None:
+                print_report(cfg.name, s["profile"])
     ref = next((s for s in summaries if s["config"] == "nochain"), None)
     for s in summaries:
         s["speedup"] = ref["mean_busy_s"] / s["mean_busy_s"] if ref else None
@@ -306,6 +316,10 @@ def main() -> None:
                     "(benchmarks/decode_throughput.py SHAPES, e.g. llama-3.1-8b)")
     ap.add_argument("--tokenizer", default=None, metavar="DIR", help="with --random-weights: the tokenizer folder")
     ap.add_argument("--prep-tokenizer", default=None, metavar="DIR", help="copy SmolLM2's tokenizer files into DIR and exit")
+    ap.add_argument("--profile", choices=["sync", "host"], default=None,
+                    help="time the engine thread's spans per configuration (benchmarks/serving_profile.py); sync: "
+                         "charge GPU work to the span that queued it (attribution, not the unprofiled speed)")
+    ap.add_argument("--count-syncs", action="store_true", help="with --profile host: count host<->device syncs by line")
     ap.add_argument("--out", default="benchmarks/results/agent_trace_cpu.json")
     add_engine_args(ap)
     args = ap.parse_args()
@@ -317,8 +331,13 @@ def main() -> None:
     target = args.target
     if target is None:
         server, engine, target = start_sidecar(args)
+    profile = None
+    if args.profile:
+        if engine is None:
+            raise SystemExit("--profile needs the in-process sidecar (no --target)")
+        profile = ServingProfile(engine, args.profile, count_syncs=args.count_syncs)
     try:
-        result = asyncio.run(replay(target, args, params))
+        result = asyncio.run(replay(target, args, params, profile))
     finally:
         if server is not None:
             server.stop(grace=5)

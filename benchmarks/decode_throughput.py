@@ -41,6 +41,10 @@ SHAPES = {
                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=False),
+    # the 8B's layer and kv-head structure (32 layers x 8 kv-heads, GQA 4) at a width a CPU runs: for
+    # profiling the engine's per-layer, per-head host work (benchmarks/agent_trace.py --profile)
+    "thin-32l": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=1024, tie_word_embeddings=False),
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
 }
@@ -324,7 +328,7 @@ def main() -> None:
         kept = engine.controller.method_for(spec).kept_tokens(ctx - 1)  # what the method holds per head
         kv = METHOD_SPECS[m].head_lengths(engine, kept, ctx)
         B = max_batch(engine, kept, steps)
-        for batch in sorted({B, 4}, reverse=True):
+        for batch in sorted({B, 4, dense_max}, reverse=True):  # its largest; and dense's, for the same-batch ratio
             if batch < 1 or batch > B:
                 print(f"  {m} batch {batch}: does not fit")
                 continue

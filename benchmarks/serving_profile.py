@@ -1,0 +1,166 @@
+"""Where the engine thread's time goes while the sidecar serves a trace (benchmarks/agent_trace.py --profile).
+
+A ``ServingProfile`` wraps methods of a live engine (the scheduler, the runner, the controller, the
+cache manager, the chain cache and the attention backend) with timers that nest: for every span
+it counts calls, total seconds and *self* seconds (total minus the spans it called), on the engine
+thread only. ``mode="sync"`` synchronizes the device at every span boundary, so the GPU work a span
+queues is charged to it (the figures are then attribution, not the unprofiled speed);
+``mode="host"`` takes host time only. ``count_syncs`` runs every engine step under torch's
+sync-debug mode and counts the host<->device synchronizations by source line.
+
+The engine's own counters (``LLMEngine.stats``: forward passes, graph steps, preemptions, demotions,
+evicted pages) are reported as the difference over each configuration's replay.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+# (object attribute on the engine, method name, span name); a span's name says what it is in the
+# serving path, so the report reads without the code beside it
+SPANS = [
+    (None, "step", "step"),
+    ("scheduler", "schedule", "schedule"),
+    ("scheduler", "_preempt", "schedule.preempt"),
+    ("chains", "reclaim", "tiers.reclaim_pages"),
+    ("chains", "reclaim_slot", "tiers.reclaim_slot"),
+    ("chains", "_demote", "tiers.demote_to_host"),
+    ("chains", "restore", "tiers.restore_to_device"),
+    ("runner", "execute", "forward.eager"),
+    ("runner", "_execute_graph", "forward.graph"),
+    ("runner", "launch_decode", "forward.graph_async"),
+    ("runner", "scoring_pass", "method.scoring_pass"),
+    ("controller", "after_prefill_chunk", "method.after_prefill_chunk"),
+    ("controller", "apply_pending_evictions", "evict.apply_prefill_decisions"),
+    ("controller", "decode_view", "method.decode_view"),
+    ("controller", "after_decode", "method.after_decode"),
+    ("controller", "on_turn_end", "method.on_turn_end"),
+    ("controller", "after_scoring", "method.after_scoring"),
+    ("manager", "evict_many", "evict.compact"),
+    ("backend", "prefill", "attention.prefill"),
+    ("backend", "decode", "attention.decode"),
+    ("chains", "start_turn", "turn.start"),
+    ("chains", "finish_turn", "turn.finish"),
+    ("chains", "_auto_prune", "turn.auto_prune"),
+    ("chains", "prune", "prune"),
+    (None, "_complete", "step.read_tokens"),
+    (None, "add_turn", "cmd.add_turn"),
+    (None, "session_info", "cmd.session_info"),
+    (None, "end_session", "cmd.end_session"),
+]
+COUNTERS = ("forward_passes", "graph_steps", "preemptions", "demotions", "evicted_pages", "evicted_tokens",
+            "decoded_tokens")
+
+
+class ServingProfile:
+    def __init__(self, engine: Any, mode: str = "sync", count_syncs: bool = False):
+        import torch
+
+        if mode not in ("sync", "host"):
+            raise ValueError(f"profile mode must be sync or host, not {mode!r}")
+        self.engine = engine
+        self.mode = mode
+        self.cuda = engine.device.type == "cuda"
+        self._sync = torch.cuda.synchronize if (self.cuda and mode == "sync") else (lambda: None)
+        self.count_syncs = count_syncs and self.cuda
+        self._local = threading.local()
+        self._thread: int | None = None  # the engine thread (the first one to run a step)
+        self.reset()
+        for owner, attr, name in SPANS:
+            obj = engine if owner is None else getattr(engine, owner, None)
+            if obj is not None and hasattr(obj, attr):
+                setattr(obj, attr, self._wrap(getattr(obj, attr), name))
+
+    # --- per configuration --------------------------------------------------------------------
+    def reset(self) -> None:
+        self.spans: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])  # calls, total, self
+        self.sync_sites: collections.Counter = collections.Counter()
+        self.steps = 0
+        self._counters0 = self._counters()
+        self._t0 = time.perf_counter()
+
+    def report(self) -> dict:
+        wall = time.perf_counter() - self._t0
+        now = self._counters()
+        spans = {k: {"calls": int(c), "total_s": round(t, 4), "self_s": round(s, 4)}
+                 for k, (c, t, s) in sorted(self.spans.items(), key=lambda kv: -kv[1][2])}
+        busy = self.spans["step"][1] + sum(v[1] for k, v in self.spans.items() if k.startswith("cmd."))
+        return {"mode": self.mode, "wall_s": round(wall, 3), "engine_busy_s": round(busy, 3),
+                "engine_steps": self.steps, "spans": spans,
+                "counters": {k: now[k] - self._counters0.get(k, 0) for k in now},
+                "host_syncs": dict(self.sync_sites.most_common(25)) if self.count_syncs else None}
+
+    def _counters(self) -> dict[str, int]:
+        stats = self.engine.stats()
+        return {k: int(stats.get(k, 0)) for k in COUNTERS}
+
+    # --- spans -----------------------------------------------------------------------------------
+    def _wrap(self, fn, name: str):
+        profile = self
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            if profile._thread is None and name == "step":
+                profile._thread = threading.get_ident()
+            if threading.get_ident() != profile._thread:
+                return fn(*args, **kwargs)
+            if name == "step" and profile.count_syncs:
+                return profile._counting_syncs(lambda: profile._span(name, fn, args, kwargs))
+            return profile._span(name, fn, args, kwargs)
+
+        return timed
+
+    def _span(self, name: str, fn, args, kwargs):
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        self._sync()
+        stack.append(0.0)  # time spent in child spans
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._sync()
+            dt = time.perf_counter() - t0
+            children = stack.pop()
+            if stack:
+                stack[-1] += dt
+            rec = self.spans[name]
+            rec[0] += 1
+            rec[1] += dt
+            rec[2] += dt - children
+            if name == "step":
+                self.steps += 1
+
+    def _counting_syncs(self, run):
+        import torch
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return run()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                for w in caught:
+                    if "synchroniz" in str(w.message):
+                        self.sync_sites[f"{Path(w.filename).name}:{w.lineno}"] += 1
+
+
+def print_report(config: str, rep: dict, rows: int = 14) -> None:
+    busy = rep["engine_busy_s"] or 1e-9
+    print(f"  profile of {config} ({rep['mode']}): engine busy {rep['engine_busy_s']:.2f} s of {rep['wall_s']:.2f} s wall, "
+          f"{rep['engine_steps']} steps; " + ", ".join(f"{k} {v}" for k, v in rep["counters"].items() if v))
+    for name, s in list(rep["spans"].items())[:rows]:
+        print(f"    {name:<32} self {s['self_s']:8.3f} s ({100 * s['self_s'] / busy:5.1f}%)  total {s['total_s']:8.3f} s  "
+              f"calls {s['calls']}")
+    if rep["host_syncs"]:
+        total = sum(rep["host_syncs"].values())
+        print(f"    host syncs: {total} over {rep['engine_steps']} steps; top: "
+              + ", ".join(f"{k} x{n}" for k, n in list(rep["host_syncs"].items())[:8]))
