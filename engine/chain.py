@@ -251,8 +251,7 @@ class ChainCache:
         if seq.source_tier is Tier.RECOMPUTE:  # the rebuilt KV gets the prunings the log records
             for entry in list(chain.prune_log):
                 prune_span(self.manager, seq.seq_id, entry["start"], entry["end"], entry["policy"], entry["keep_ratio"],
-                           entry["scope"], chain.queries, seq.protected_len,
-                           lambda layer, keep: self.manager.evict(seq.seq_id, layer, keep))
+                           entry["scope"], chain.queries, seq.protected_len)
         self._auto_prune(chain)
         chain.turn_index += 1
         chain.generation += 1
@@ -267,10 +266,8 @@ class ChainCache:
         chain.spans = [s for s in chain.spans if s.start < start]
         chain.reset_digest()
         if self.manager.has(seq.seq_id):
-            for layer in range(self.manager.num_layers):
-                _, _, pos, lengths = self.manager.gather(seq.seq_id, layer)
-                keep = [torch.nonzero(pos[h, : int(lengths[h])] < start).flatten().cpu() for h in range(pos.shape[0])]
-                self.manager.evict(seq.seq_id, layer, keep)
+            pos = self.manager.positions(seq.seq_id)
+            self.manager.compact_seq(seq.seq_id, (pos >= 0) & (pos < start))
             seq.num_cached = min(seq.num_cached, start)
             chain.state = ChainState.IDLE
         elif chain.host is not None:
@@ -318,8 +315,7 @@ class ChainCache:
         removed = 0
         if chain.state is ChainState.IDLE:
             removed = prune_span(self.manager, session_id, start, end, policy, keep_ratio, scope, chain.queries,
-                                 chain.seq.protected_len,
-                                 lambda layer, keep: self.manager.evict(session_id, layer, keep))
+                                 chain.seq.protected_len)
         for s in chain.spans:
             if s.start >= start and s.end <= end:
                 s.pruned = True

@@ -18,8 +18,8 @@ from typing import Any, Hashable, Mapping, Sequence
 import torch
 
 from engine.cache.manager import CacheManager
-from engine.lifecycle import (ChunkInfo, DecodeBatch, MethodError, MethodSpec, ModelShape, PrefillChunk, ScoringPass,
-                              Selection, SeqInfo, Span, SparseMethod)
+from engine.lifecycle import (ChunkInfo, DecodeBatch, KeepMask, MethodError, MethodSpec, ModelShape, PrefillChunk,
+                              ScoringPass, Selection, SeqInfo, Span, SparseMethod)
 from engine.methods import create_method
 
 SeqId = Hashable
@@ -111,19 +111,13 @@ class SparseController:
         then never waits for the host between layers (keep indices may still be on the device)."""
         keep = self._method_of[chunk.seq_id].after_prefill_chunk(layer, chunk)
         if keep is not None:
-            self._pending.append((layer, chunk.seq_id, keep))
+            self._pending.append((chunk.seq_id, layer, keep))
 
     def apply_pending_evictions(self) -> None:
-        """Carry out the prefill chunks' keep decisions of the pass just run, layer by layer, with
-        one device -> host copy for all their indices."""
+        """Carry out the keep decisions the pass just run made (its prefill chunks' and decode
+        steps'), every layer of every sequence in one compaction."""
         pending, self._pending = self._pending, []
-        by_layer: dict[int, list] = defaultdict(list)
-        for layer, seq_id, keep in pending:
-            by_layer[layer].append((seq_id, keep))
-        keeps = keeps_on_host([keep for items in by_layer.values() for _, keep in items])
-        it = iter(keeps)
-        for layer, items in by_layer.items():
-            self._evict(layer, [(seq_id, next(it)) for seq_id, _ in items])
+        self._compact(pending)
 
     def drop_pending_evictions(self) -> None:
         """The pass failed: its decisions are dropped (the cache keeps those tokens)."""
@@ -141,8 +135,7 @@ class SparseController:
 
     def after_scoring(self, seq_id: SeqId, num_tokens: int) -> None:
         per_layer = self._method_of[seq_id].after_scoring(self._info(seq_id, num_tokens)) or {}
-        for layer, keep in per_layer.items():
-            self._evict(layer, [(seq_id, keep)])
+        self._compact([(seq_id, layer, keep) for layer, keep in per_layer.items()])
 
     def _info(self, seq_id: SeqId, num_tokens: int) -> SeqInfo:
         return SeqInfo(seq_id, num_tokens, self._protected.get(seq_id, 0))
@@ -237,15 +230,36 @@ class SparseController:
                     self.manager.fetch_pages(seq_id, layer, sel.selected_pages[j].cpu())
 
     def after_decode(self, layer: int, groups, batch: DecodeBatch) -> None:
-        items = []
+        """Decisions of decode steps are applied with the pass's others (``apply_pending_evictions``)."""
         for m, rows in groups:
             if not _overrides(m, "after_decode"):
                 continue
             decisions = m.after_decode(layer, _rows(batch, rows))
             if decisions:
-                items.extend(decisions.items())
-        if items:
-            self._evict(layer, items)
+                self._pending.extend((seq_id, layer, keep) for seq_id, keep in decisions.items())
+
+    def after_decode_step(self, seq_ids: Sequence[SeqId], num_tokens: Sequence[int]) -> None:
+        """After a decode step (a graph replay or eager): the evictions methods decide from the heads'
+        lengths alone, one compaction per method that decided any."""
+        for m, rows in self.group(seq_ids):
+            if not _overrides(m, "after_decode_step"):
+                continue
+            slots = torch.tensor([self.manager.slot(seq_ids[i]) for i in rows])
+            infos = [self._info(seq_ids[i], num_tokens[i]) for i in rows]
+            decided = m.after_decode_step(infos, self.manager.lengths[slots])
+            if decided is not None and decided.seq_ids:
+                self._compact_mask(decided)
+
+    def _compact_mask(self, decided: KeepMask) -> None:
+        B, L, H, T = decided.mask.shape
+        slots = torch.tensor([self.manager.slot(s) for s in decided.seq_ids]).repeat_interleave(L * H)
+        layers = torch.arange(L).repeat_interleave(H).repeat(B)
+        heads = torch.arange(H).repeat(B * L)
+        prot = torch.tensor([self._protected.get(s, 0) for s in decided.seq_ids]).repeat_interleave(L * H)
+        result = self.manager.compact_mask(slots, layers, heads, decided.mask.reshape(B * L * H, T),
+                                           prot if bool(prot.any()) else None)
+        self.evicted_pages += result.pages_freed
+        self.evicted_tokens += result.tokens_removed
 
     # --- turn end ---------------------------------------------------------------------------------
     def on_turn_end(self, seq: SeqInfo, spans: Sequence[Span]) -> None:
@@ -253,39 +267,14 @@ class SparseController:
         if not _overrides(method, "on_turn_end"):
             return
         per_layer = method.on_turn_end(seq, spans) or {}
-        for layer, keep in per_layer.items():
-            self._evict(layer, [(seq.seq_id, keep)])
+        self._compact([(seq.seq_id, layer, keep) for layer, keep in per_layer.items()])
 
-    def _evict(self, layer: int, items) -> None:
-        items = list(zip([s for s, _ in items], keeps_on_host([keep for _, keep in items])))
-        if self._protected:
-            items = [(s, self._with_protected(s, layer, keep)) for s, keep in items]
-        before = [int(self.manager.lengths[self.manager.slot(s), layer].sum()) for s, _ in items]
-        self.evicted_pages += self.manager.evict_many(layer, items)
-        after = [int(self.manager.lengths[self.manager.slot(s), layer].sum()) for s, _ in items]
-        self.evicted_tokens += sum(before) - sum(after)
-
-
-    def _with_protected(self, seq_id: SeqId, layer: int, keep):
-        """A shared prefix stays: its tokens are the first ``protected`` of every head."""
-        n = self._protected.get(seq_id, 0)
-        if not n:
-            return keep
-        lengths = self.manager.lengths[self.manager.slot(seq_id), layer]
-        return [torch.cat([torch.arange(min(n, int(lengths[h]))), torch.as_tensor(k, dtype=torch.int64).reshape(-1).cpu()])
-                for h, k in enumerate(keep)]
-
-
-def keeps_on_host(keeps: Sequence) -> list[list[torch.Tensor]]:
-    """Each keep decision (``[H, m]`` or one 1-D tensor per kv-head) as one host int64 tensor per
-    head; the device tensors among them reach the host in a single copy."""
-    heads = [[torch.as_tensor(k).reshape(-1) for k in keep] for keep in keeps]
-    on_dev = [t for hs in heads for t in hs if t.device.type != "cpu"]
-    if on_dev:
-        flat = torch.cat([t.to(torch.int64) for t in on_dev]).cpu()  # the one device -> host copy
-        parts = iter(flat.split([t.numel() for t in on_dev]))
-        heads = [[next(parts) if t.device.type != "cpu" else t for t in hs] for hs in heads]
-    return [[t.to(torch.int64) for t in hs] for hs in heads]
+    def _compact(self, items) -> None:
+        if not items:
+            return
+        result = self.manager.compact(items, self._protected)
+        self.evicted_pages += result.pages_freed
+        self.evicted_tokens += result.tokens_removed
 
 
 def _rows(batch: DecodeBatch, rows: list[int]) -> DecodeBatch:

@@ -17,6 +17,8 @@ Hooks, in the order the engine calls them (see DESIGN.md):
 ``graph_decode()`` / ``prepare_graph_decode``  optional: the decode selection can run inside the
 ``graph_decode_view(layer, ...)``           decode CUDA graph (device-only, static shapes; Quest)
 ``after_decode(layer, batch)``             keep-indices after a decode step (scores in batch)
+``after_decode_step(seqs, lengths)``       keep-indices per layer decided from the heads' lengths
+                                           alone, after the step (which may replay a CUDA graph)
 ``scoring_pass(seq, token_ids, tokenizer)``  a turn's input is in: ask for an extra forward pass
                                            over token ids whose attention the method reads
 ``observe_scoring(layer, chunk)``          a chunk of that pass, with all its queries' probabilities
@@ -83,6 +85,8 @@ class ModelShape:
     """``[max_len, head_dim]`` float32 RoPE tables of the model (rotate-half convention), for
     methods that reason about positions (Expected Attention); None for models without them."""
     rope_sin: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    device: torch.device = field(default=torch.device("cpu"), compare=False)
+    """Where the cache lives (decisions a method builds itself go there)."""
 
     @property
     def group_size(self) -> int:
@@ -229,6 +233,15 @@ class Selection:
 
 
 @dataclass
+class KeepMask:
+    """Keep decisions of several sequences in every layer at once: ``mask`` ``[B, L, H, T]`` bool
+    over each head's physical tokens (``T`` at least the longest head; past a head's end ignored)."""
+
+    seq_ids: list[SeqId]
+    mask: torch.Tensor
+
+
+@dataclass
 class Span:
     """A span of the logical history, tagged by role (for on_turn_end and pruning)."""
 
@@ -292,6 +305,13 @@ class SparseMethod:
         return None
 
     def after_decode(self, layer: int, batch: DecodeBatch) -> Mapping[SeqId, Keep] | None:
+        return None
+
+    def after_decode_step(self, seqs: Sequence[SeqInfo], lengths: torch.Tensor) -> KeepMask | None:
+        """After every decode step, graph replays included: keep decisions that need nothing but the
+        heads' lengths (``lengths`` ``[B, L, H]``, host, the step's token included), for any of the
+        rows in every layer. Overriding this instead of ``after_decode`` keeps the step itself a
+        CUDA graph; the controller carries out the decisions in one compaction."""
         return None
 
     def decode_hooks_due(self, seq_ids: Sequence[SeqId], lengths: torch.Tensor) -> bool:

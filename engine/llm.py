@@ -94,7 +94,7 @@ class LLMEngine:
 
         self.shape = ModelShape(num_layers=mc.num_layers, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
                                 head_dim=mc.head_dim, page_size=config.page_size,
-                                rope_cos=self.model.rope_cos, rope_sin=self.model.rope_sin)
+                                rope_cos=self.model.rope_cos, rope_sin=self.model.rope_sin, device=self.device)
         slots = config.max_cached_seqs or 4 * config.max_num_seqs
         # the pool stores pages in the layout the configured method declares (plain, fp8, kivi, ...)
         layout = get_method_class(config.method)(self.default_spec, self.shape).kv_layout()

@@ -133,27 +133,22 @@ class QueryWindow:
 
 
 def prune_span(manager: CacheManager, seq_id, start: int, end: int, policy: str, keep_ratio: float,
-               scope: str, queries: QueryWindow | None, protected: int, evict) -> int:
-    """Shrink the KV of logical positions [start, end) in every layer; returns tokens removed
-    (summed over layers and kv-heads). ``evict(layer, keep)`` carries out one layer's decision."""
-    removed = 0
-    for layer in range(manager.num_layers):
-        k, _, pos, lengths = manager.gather(seq_id, layer)
-        in_span = (pos >= start) & (pos < end) & (pos >= protected)
-        if not bool(in_span.any()):
-            continue
-        keep = ~in_span & (pos >= 0)
-        if policy == "keep_ratio":
+               scope: str, queries: QueryWindow | None, protected: int) -> int:
+    """Shrink the KV of logical positions [start, end) in every layer, in one compaction; returns
+    the tokens removed (summed over layers and kv-heads)."""
+    pos = manager.positions(seq_id)  # [L, H, T]
+    in_span = (pos >= start) & (pos < end) & (pos >= protected)
+    keep = (pos >= 0) & ~in_span
+    if policy == "keep_ratio":
+        for layer in range(manager.num_layers):
             q = queries.get(layer) if queries is not None else None
             if q is None:
                 raise ValueError("keep_ratio pruning needs recent queries; none were recorded for this session")
+            k, _, _, lengths = manager.gather(seq_id, layer)
+            T = k.shape[1]
             scores = _attention_scores(q, k, lengths)  # [H, T]
-            keep |= _top_in_span(scores, pos, in_span, keep_ratio, scope)
-        keep_idx = [torch.nonzero(keep[h, : int(lengths[h])]).flatten().cpu() for h in range(keep.shape[0])]
-        before = int(lengths.sum())
-        evict(layer, keep_idx)
-        removed += before - sum(int(x.numel()) for x in keep_idx)
-    return removed
+            keep[layer, :, :T] |= _top_in_span(scores, pos[layer, :, :T], in_span[layer, :, :T], keep_ratio, scope)
+    return manager.compact_seq(seq_id, keep, protect=protected).tokens_removed
 
 
 def _attention_scores(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -98,6 +98,7 @@ class ModelRunner:
             s.num_cached += 1
         self.forward_passes += 1
         self.graph_steps += 1
+        self.controller.after_decode_step(ids, [s.num_cached for s in seqs])
         return StepResult(sampling=list(seqs), logits=logits, prompt_logits={})
 
     def launch_decode(self, batch: ScheduledBatch, previous: InFlight | None) -> InFlight:
@@ -171,6 +172,8 @@ class ModelRunner:
             seq.counters.prefilled_tokens += n
         for seq in batch.decode:
             seq.num_cached += 1
+        if batch.decode:
+            self.controller.after_decode_step(seq_ids[: len(batch.decode)], [s.num_cached for s in batch.decode])
 
         prompt_logits = {sid: logits[a:b] for sid, (a, b) in prompt_rows.items()}
         return StepResult(sampling=sampling, logits=logits[sample_rows], prompt_logits=prompt_logits)
@@ -212,7 +215,6 @@ class ModelRunner:
                     self.model(input_ids, pos_dev, attend, torch.tensor([len(ids) - 1], device=self.device))
                     self.forward_passes += 1
             finally:  # the segment's own tokens go: each head back to its history
-                for layer in range(context.shape[0]):
-                    self.manager.evict(sid, layer, [torch.arange(int(n)) for n in context[layer]])
+                self.manager.truncate(sid, context)
         self.controller.after_scoring(sid, seq.num_cached)
         return True

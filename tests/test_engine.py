@@ -60,7 +60,7 @@ def test_streaming_with_full_budget_equals_dense(smol_engine, long_prompt):
 
 def test_streaming_evicts_and_frees_exactly(long_prompt):
     engine = _stream_engine()
-    spec = MethodSpec("streaming_llm", budget=68, method_args={"n_sink": 4})
+    spec = MethodSpec("streaming_llm", budget=68, method_args={"n_sink": 4, "slack": 0})  # the paper's exact rule
     rid = engine.add_request(long_prompt, SamplingParams(max_tokens=8, ignore_eos=True), method=spec)
     L, H, P = 30, 3, 16
     free_before = engine.pool.num_free

@@ -19,28 +19,16 @@ sync. On a GPU the manager writes every change to a device mirror too, which att
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Hashable, Mapping, Sequence
 
 import torch
 
+from engine.cache.compaction import CompactionResult, compact, mask_from_indices
 from engine.cache.pages import OutOfPages, PagePool
+from engine.cache.transfer import ceil_div, to_device
 
 Keep = "torch.Tensor | Sequence[torch.Tensor]"
 """Kept physical indices of one (sequence, layer): a ``[H, m]`` tensor or one 1-D tensor per head."""
-
-
-def ceil_div(a: torch.Tensor | int, b: int):
-    return (a + b - 1) // b
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host -> device without making the host wait: a copy from pageable memory would first wait
-    for all work queued on the stream (the decode step in flight); a pinned one is queued behind it.
-    A tensor already on a device is moved as it is."""
-    device = torch.device(device)
-    if device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -277,98 +265,122 @@ class CacheManager:
     # --- evict ---------------------------------------------------------------------------------
     def evict(self, seq_id: Hashable, layer: int, keep: Keep) -> int:
         """Keep only ``keep[h]`` (physical indices) in each head of one layer; free the rest."""
-        return self.evict_many(layer, [(seq_id, keep)])
+        return self.compact([(seq_id, layer, keep)]).pages_freed
 
     def evict_many(self, layer: int, items: Sequence[tuple[Hashable, Keep]]) -> int:
         """Evict in one layer of several sequences at once; returns the pages freed (net)."""
-        P, H = self.page_size, self.num_kv_heads
-        if len({seq_id for seq_id, _ in items}) != len(items):
-            raise ValueError("evict_many got the same sequence twice")
-        row_slot, idx_parts, counts = [], [], []
-        for seq_id, keep in items:
-            s = self.slot(seq_id)
-            if self.num_host_pages(seq_id, layer):  # compaction rewrites pages: bring cold ones back first
+        return self.compact([(seq_id, layer, keep) for seq_id, keep in items]).pages_freed
+
+    def compact(self, items: Sequence[tuple[Hashable, int, Keep]],
+                protected: Mapping[Hashable, int] | None = None) -> CompactionResult:
+        """Carry out keep decisions ``(seq_id, layer, keep)`` of any sequences and layers in one
+        compaction (engine/cache/compaction.py). ``protected``: leading tokens of a sequence that
+        every head keeps whatever its decision says (a shared prefix)."""
+        H = self.num_kv_heads
+        if len({(s, layer) for s, layer, _ in items}) != len(items):
+            raise ValueError("compact got the same (sequence, layer) twice")
+        if not items:
+            return CompactionResult()
+        pieces, slot_of_row, layer_of_row, prot = [], [], [], []
+        for seq_id, layer, keep in items:
+            slot = self.slot(seq_id)
+            if self.num_host_pages(seq_id, layer):  # compaction rewrites pages: cold ones come back first
                 self.recall(seq_id, layer)
             if isinstance(keep, torch.Tensor) and keep.dim() == 2:
                 if keep.shape[0] != H:
                     raise ValueError(f"keep must give one index list per kv-head ({H}), got shape {tuple(keep.shape)}")
-                heads = list(keep.cpu().to(torch.int64))
+                pieces.extend(keep.unbind(0))
             elif not isinstance(keep, torch.Tensor) and len(keep) == H:
-                heads = [torch.as_tensor(k, dtype=torch.int64).reshape(-1).cpu() for k in keep]
+                pieces.extend(torch.as_tensor(k, dtype=torch.int64).reshape(-1) for k in keep)
             else:
                 raise ValueError(f"keep must give one index list per kv-head ({H}), got {type(keep).__name__}")
-            row_slot.extend([s] * H)
-            idx_parts.extend(heads)
-            counts.extend(k.numel() for k in heads)
-        if not row_slot:
-            return 0
-        # validate and sort every row at once: key = row * stride + index
-        lens = self.lengths[torch.tensor(row_slot), layer, torch.arange(H).repeat(len(items))].long()
-        cnt0 = torch.tensor(counts)
-        cat = torch.cat(idx_parts) if idx_parts else torch.empty(0, dtype=torch.int64)
-        row_of = torch.repeat_interleave(torch.arange(len(counts)), cnt0)
-        if cat.numel() and (bool((cat < 0).any()) or bool((cat >= lens[row_of]).any())):
-            bad = int(row_of[(cat < 0) | (cat >= lens[row_of])][0])
-            raise IndexError(f"keep index out of range for {items[bad // H][0]!r} layer {layer} head {bad % H} "
-                             f"(length {int(lens[bad])})")
-        stride = self.max_pages * P
-        keys = torch.unique(row_of * stride + cat)  # sorted; repeats dropped
-        row_u = keys // stride
-        idx_parts = [keys % stride]
-        counts = torch.bincount(row_u, minlength=len(counts)).tolist()
-        slots = torch.tensor(row_slot)
-        heads = torch.arange(H).repeat(len(items))
-        cnt = torch.tensor(counts)
-        new_np = ceil_div(cnt, P)
-        maxp = max(1, int(ceil_div(int(lens.max()), P)))  # only the columns in use (past them: -1)
-        table = self.tables[slots, layer, heads, :maxp].long()  # [R, maxp]
-        page_no = torch.arange(maxp)[None, :]
-        tail = (table >= 0) & (page_no >= new_np[:, None])
+            slot_of_row.append(slot)
+            layer_of_row.append(layer)
+            prot.append((protected or {}).get(seq_id, 0))
+        n = len(items)
+        slots = torch.tensor(slot_of_row).repeat_interleave(H)
+        layers = torch.tensor(layer_of_row).repeat_interleave(H)
+        heads = torch.arange(H).repeat(n)
+        mask = mask_from_indices(pieces, self.lengths[slots, layers, heads], self.device)
+        protect = torch.tensor(prot).repeat_interleave(H) if any(prot) else None
+        return compact(self, slots, layers, heads, mask, protect)
 
-        # kept token j of a row moves from its physical index to index j (stable compaction)
-        idx = torch.cat(idx_parts)
-        row = torch.repeat_interleave(torch.arange(len(counts)), cnt)
-        dst_j = torch.arange(idx.numel()) - torch.repeat_interleave(torch.cumsum(cnt, 0) - cnt, cnt)
-        src = table[row, idx // P] * P + idx % P
-        dst_col = dst_j // P
-        moved = src != table[row, dst_col] * P + dst_j % P
-        w_row, w_col, src_m, dst_jm = row[moved], dst_col[moved], src[moved], dst_j[moved]
+    def compact_mask(self, slots: torch.Tensor, layers: torch.Tensor, heads: torch.Tensor, keep: torch.Tensor,
+                     protect: torch.Tensor | None = None) -> CompactionResult:
+        """The same with the decision as a keep mask ``[R, T]`` over rows (slot, layer, head)."""
+        if getattr(self, "host_tables", None) is not None:
+            seq_at = {s: q for q, s in self._slot_of.items()}
+            for s, layer in {(int(s), int(layer)) for s, layer in zip(slots, layers)}:
+                if self._cold[s, layer]:
+                    self.recall(seq_at[s], layer)
+        return compact(self, slots, layers, heads, keep, protect)
 
-        # pages written by the compaction that another owner (a fork, a shared prefix) still
-        # reads are copied first (copy-on-write per page); pages nobody writes stay shared
-        written = (w_row * maxp + w_col).unique()
-        wr, wc = written // maxp, written % maxp
-        free_before = self.pool.num_free
-        need = int((self.pool.refcount[table[wr, wc]] > 1).sum())
-        if need > self.pool.num_free + int(tail.sum()):
-            raise OutOfPages(f"compaction needs {need} copy-on-write pages, {self.pool.num_free} free")
-        dev = self.device
-        src_d = to_device(src_m, dev)  # host -> device copies below are queued, never waited for
-        moved_kv = self.pool.format.take_tokens(src_d)
-        moved_pos = self.pool.pos.view(-1)[src_d]
-        self.pool.decref(table[tail])
-        new_table = table.clone()
-        new_table[tail] = -1
-        shared = self.pool.refcount[table[wr, wc]] > 1
-        if bool(shared.any()):
-            old = table[wr[shared], wc[shared]]
-            fresh = self.pool.alloc(old.numel())
-            self.pool.copy_pages(old, fresh)
-            new_table[wr[shared], wc[shared]] = fresh
-            self.pool.decref(old)
-        if src_m.numel():
-            dst_d = to_device(new_table[w_row, w_col] * P + dst_jm % P, dev)
-            self.pool.format.put_tokens(dst_d, moved_kv)
-            self.pool.pos.view(-1)[dst_d] = moved_pos
+    def compact_seq(self, seq_id: Hashable, keep: torch.Tensor, protect: int = 0) -> CompactionResult:
+        """Every layer and head of one sequence at once: ``keep`` ``[L, H, T]`` bool (device)."""
+        s = self.slot(seq_id)
+        L, H = self.num_layers, self.num_kv_heads
+        slots = torch.full((L * H,), s)
+        layers = torch.arange(L).repeat_interleave(H)
+        heads = torch.arange(H).repeat(L)
+        return self.compact_mask(slots, layers, heads, keep.reshape(L * H, -1),
+                                 torch.full((L * H,), protect) if protect else None)
 
-        self.tables[slots, layer, heads, :maxp] = new_table.to(torch.int32)
-        self.lengths[slots, layer, heads] = cnt.to(torch.int32)
-        self._bump(slots, layer)
+    def positions(self, seq_id: Hashable) -> torch.Tensor:
+        """Original positions of a sequence's tokens, ``[L, H, T]`` (device; -1 past a head's end),
+        T its longest head. Pages on the host tier come back to the device first."""
+        s = self.slot(seq_id)
+        if self._has_cold(s):
+            for layer in range(self.num_layers):
+                if self._cold[s, layer]:
+                    self.recall(seq_id, layer)
+        P, L, H = self.page_size, self.num_layers, self.num_kv_heads
+        T = max(1, int(self.lengths[s].max()))
+        npages = int(ceil_div(T, P))
+        pages = self.tables_dev[s, :, :, :npages].long().clamp(min=0)
+        pos = self.pool.pos[pages].reshape(L, H, npages * P)[..., :T]
+        past = torch.arange(T, device=pos.device) >= self.lengths_dev[s][..., None]
+        return pos.masked_fill(past, -1)
+
+    def set_rows(self, slots: torch.Tensor, layers: torch.Tensor, heads: torch.Tensor, tables: torch.Tensor,
+                 lengths: torch.Tensor) -> None:
+        """Rewrite rows' page lists (their first ``tables.shape[1]`` entries) and lengths, on the host
+        and the device mirror; the rows' layers get a new layout version."""
+        width = tables.shape[1]
+        self.tables[slots, layers, heads, :width] = tables
+        self.lengths[slots, layers, heads] = lengths
+        pairs = torch.unique(slots * self.num_layers + layers)
+        self._version_clock += 1
+        self._versions[pairs // self.num_layers, pairs % self.num_layers] = self._version_clock
         if self._mirrored:
-            slots_d, heads_d = to_device(slots, dev), to_device(heads, dev)
-            self.tables_dev[slots_d, layer, heads_d, :maxp] = to_device(new_table.to(torch.int32), dev)
-            self.lengths_dev[slots_d, layer, heads_d] = to_device(cnt.to(torch.int32), dev)
-        return self.pool.num_free - free_before
+            dev = self.device
+            s_d, l_d, h_d = to_device(slots, dev), to_device(layers, dev), to_device(heads, dev)
+            self.tables_dev[s_d, l_d, h_d, :width] = to_device(tables, dev)
+            self.lengths_dev[s_d, l_d, h_d] = to_device(lengths, dev)
+
+    def truncate(self, seq_id: Hashable, lengths: torch.Tensor) -> int:
+        """Cut every head of a sequence back to ``lengths`` ``[L, H]`` (its first tokens stay where
+        they are: nothing moves, pages past the new ends are freed). Returns the pages freed."""
+        s = self.slot(seq_id)
+        old = self.lengths[s].long()
+        new = torch.minimum(old, lengths.long())
+        if bool((new == old).all()):
+            return 0
+        P = self.page_size
+        table = self.tables[s].long()  # [L, H, MP]
+        col = torch.arange(self.max_pages)
+        tail = (col >= ceil_div(new, P)[..., None]) & (table >= 0)
+        if bool(tail.any()) and self._has_cold(s):
+            for layer in range(self.num_layers):
+                if self._cold[s, layer]:
+                    self.recall(seq_id, layer)
+            table = self.tables[s].long()
+            tail = (col >= ceil_div(new, P)[..., None]) & (table >= 0)
+        freed = self.pool.decref(table[tail])
+        table[tail] = -1
+        L, H = self.num_layers, self.num_kv_heads
+        self.set_rows(torch.full((L * H,), s), torch.arange(L).repeat_interleave(H), torch.arange(H).repeat(L),
+                      table.reshape(L * H, -1).to(torch.int32), new.reshape(-1).to(torch.int32))
+        return freed
 
     # --- fork ------------------------------------------------------------------------------------
     def fork(self, parent: Hashable, child: Hashable, num_pages: int | None = None) -> None:

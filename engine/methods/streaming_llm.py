@@ -3,29 +3,40 @@
 Paper: Xiao et al., "Efficient Streaming Language Models with Attention Sinks" (ICLR 2024).
 Rule: keep the first ``n_sink`` tokens (the attention sinks) and the most recent
 ``budget - n_sink`` tokens of every (layer, kv-head); evict the rest. It evicts after every prefill
-chunk, so a long prompt never holds more than ``budget`` + one chunk, and after every decode step
-once a head exceeds its budget.
+chunk, so a long prompt never holds more than ``budget`` + one chunk, and while decoding once a
+head grows past its budget by more than ``slack`` tokens.
 
 Parameters:
     budget / budget_ratio   tokens kept per head (sink + window); required
     n_sink = 4              attention-sink tokens kept at the start (the paper uses 4)
-    slack = 0               let a head grow this many tokens past the budget before evicting it
-                            back to the budget (0 is the paper's rule; a page of slack makes
-                            decode-time eviction one compaction every page, and the steps in
-                            between CUDA-graph decodes)
+    slack = 64              decoding lets a head grow this many tokens past the budget before it is
+                            cut back to the budget. The paper's rule is ``slack = 0``: an eviction
+                            after every decode step. The default holds up to 64 more tokens per head
+                            than the paper (the most recent ones, so attention sees a superset of
+                            the paper's window), and evicts once every ``slack + n_sink`` steps
+                            instead of every step; the steps in between replay the decode CUDA
+                            graph. When one sequence of a batch is due, every sequence past its
+                            budget is cut with it (one compaction for the batch, and the batch stays
+                            in step).
+
+A shared prefix the session is protected by (a system prompt stored once for many sessions) is
+kept in addition to the budget and does not count against it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.lifecycle import DecodeBatch, MethodError, PrefillChunk, SparseMethod, recent_and_sink
+import torch
+
+from engine.cache.transfer import to_device
+from engine.lifecycle import KeepMask, MethodError, PrefillChunk, SparseMethod, recent_and_sink
 
 
 @dataclass
 class StreamingLLMParams:
     n_sink: int = 4
-    slack: int = 0
+    slack: int = 64
 
 
 class StreamingLLM(SparseMethod):
@@ -41,31 +52,28 @@ class StreamingLLM(SparseMethod):
             raise MethodError(f"streaming_llm budget ({spec.budget}) must exceed n_sink ({self.params.n_sink})")
 
     def kept_tokens(self, num_tokens: int) -> int:
-        return min(num_tokens, self.budget_for(num_tokens))
+        return min(num_tokens, self.budget_for(num_tokens) + self.params.slack)
 
-    def _keep(self, lengths, num_tokens: int, slack: int):
-        budget = self.budget_for(num_tokens)
-        if int(lengths.max()) <= budget + slack:
+    def after_prefill_chunk(self, layer: int, chunk: PrefillChunk):
+        lengths = chunk.lengths
+        budget = self.budget_for(chunk.num_tokens)
+        if int(lengths.max()) <= budget:
             return None
         if bool((lengths == lengths[0]).all()):  # the usual case: every head holds the same tokens
             return recent_and_sink(int(lengths[0]), self.params.n_sink, budget).expand(len(lengths), -1)
         return [recent_and_sink(int(n), self.params.n_sink, budget) for n in lengths]
 
-    def after_prefill_chunk(self, layer: int, chunk: PrefillChunk):
-        return self._keep(chunk.lengths, chunk.num_tokens, 0)
-
-    def decode_hooks_due(self, seq_ids, lengths) -> bool:
-        if self.spec.budget is None:  # a ratio budget moves with each sequence's length: check every step
-            return True
-        return int(lengths.max()) > self.spec.budget + self.params.slack
-
-    def after_decode(self, layer: int, batch: DecodeBatch):
-        rows = range(len(batch.seq_ids))
-        if self.spec.budget is not None:  # only the rows past budget + slack
-            rows = (batch.lengths.max(-1).values > self.spec.budget + self.params.slack).nonzero().flatten().tolist()
-        out = {}
-        for i in rows:
-            keep = self._keep(batch.lengths[i], batch.num_tokens[i], self.params.slack)
-            if keep is not None:
-                out[batch.seq_ids[i]] = keep
-        return out
+    def after_decode_step(self, seqs, lengths: torch.Tensor) -> KeepMask | None:
+        budgets = torch.tensor([self.budget_for(s.num_tokens) for s in seqs])
+        limit = budgets + torch.tensor([s.protected_len for s in seqs])
+        longest = lengths.amax(dim=(1, 2))
+        if not bool((longest > limit + self.params.slack).any()):
+            return None
+        due = (longest > limit).nonzero().flatten()  # the whole batch evicts together
+        n = to_device(lengths[due].long(), self.shape.device)
+        b = to_device(budgets[due], n.device)[:, None, None, None]
+        sink = b.clamp(max=self.params.n_sink)
+        t = torch.arange(int(lengths[due].max()), device=n.device)
+        n = n[..., None]
+        mask = (t < sink) | ((t >= n - (b - sink)) & (t < n))
+        return KeepMask([seqs[i].seq_id for i in due.tolist()], mask)

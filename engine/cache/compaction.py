@@ -1,0 +1,157 @@
+"""Compaction: keep a subset of each head's tokens, packed into the head's first pages, free the rest.
+
+One compaction serves any number of *rows* at once, a row being one (sequence slot, layer, kv-head)
+of the CacheManager: every layer's decisions of every sequence in a forward pass, a whole session
+at a turn's end, a pruned span across all layers. Its cost does not grow with the number of calls
+a caller would otherwise make, so callers gather decisions and compact once:
+
+* a keep mask ``[R, T]`` (bool, on the pool's device) says which physical tokens of each row stay;
+  a row's first ``protect[r]`` tokens always stay (a shared prefix);
+* one small device -> host copy brings back each row's kept count and its *leading run* (the
+  tokens before the first evicted one, which do not move); everything else the host decides from
+  the counts alone: the new lengths, the pages past each row's new end (freed), and the pages
+  the move writes that another owner still reads (copied first: copy-on-write);
+* the kept tokens at or after the leading run move to index ``j`` (their rank among the row's
+  kept tokens) in one gather and one scatter on the device, so physical order stays arrival order.
+
+Keep decisions given as index lists (a method's top-k) become a mask with
+:func:`mask_from_indices`; index lists on the host are checked against the rows' lengths, those on
+the device are trusted (an index outside a row is dropped, never read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from engine.cache.pages import OutOfPages
+from engine.cache.transfer import ceil_div, to_device
+
+
+@dataclass
+class CompactionResult:
+    pages_freed: int = 0
+    """Pages back on the free list, net of copy-on-write copies."""
+    tokens_removed: int = 0
+    """Physical tokens dropped, summed over rows."""
+
+
+def mask_from_indices(pieces: Sequence[torch.Tensor], lengths: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``[R, T]`` keep mask from one 1-D index tensor per row (``T`` = the longest row, ``lengths``
+    ``[R]`` host int). Host pieces are checked (IndexError for an index outside its row); device
+    pieces reach the mask without a host sync."""
+    R = len(pieces)
+    T = max(1, int(lengths.max())) if R else 1
+    counts = [int(p.numel()) for p in pieces]
+    total = sum(counts)
+    mask = torch.zeros(R, T + 1, dtype=torch.bool, device=device)  # column T collects dropped indices
+    if total == 0:
+        return mask[:, :T]
+    on_host = [i for i, p in enumerate(pieces) if p.device.type == "cpu"]
+    if on_host:
+        flat = torch.cat([pieces[i].reshape(-1).to(torch.int64) for i in on_host])
+        row = torch.repeat_interleave(torch.tensor(on_host), torch.tensor([counts[i] for i in on_host]))
+        bad = (flat < 0) | (flat >= lengths[row].long())
+        if bool(bad.any()):
+            r = int(row[bad][0])
+            raise IndexError(f"keep index {int(flat[bad][0])} is outside row {r} (length {int(lengths[r])})")
+        _set(mask, row, flat, device)
+    on_dev = [i for i in range(R) if pieces[i].device.type != "cpu"]
+    if on_dev:
+        flat = torch.cat([pieces[i].reshape(-1).to(torch.int64) for i in on_dev])
+        row = to_device(torch.repeat_interleave(torch.tensor(on_dev), torch.tensor([counts[i] for i in on_dev])),
+                        flat.device)
+        limit = to_device(lengths.to(torch.int64), flat.device)[row]
+        flat = torch.where((flat >= 0) & (flat < limit), flat, T)  # outside its row: dropped
+        _set(mask, row, flat, device)
+    return mask[:, :T]
+
+
+def _set(mask: torch.Tensor, row: torch.Tensor, col: torch.Tensor, device) -> None:
+    mask[to_device(row, mask.device), to_device(col, mask.device)] = True
+
+
+def compact(manager, slots: torch.Tensor, layers: torch.Tensor, heads: torch.Tensor, keep: torch.Tensor,
+            protect: torch.Tensor | None = None) -> CompactionResult:
+    """Keep ``keep[r]`` of row ``(slots[r], layers[r], heads[r])`` (host int64 ``[R]`` each, rows
+    distinct, none with pages on the host tier; ``keep`` ``[R, T]`` bool on the pool's device, ``T``
+    at least the longest row). ``protect`` ``[R]`` (host): leading tokens each row keeps whatever
+    the mask says."""
+    pool, P, dev = manager.pool, manager.page_size, manager.device
+    R = int(slots.numel())
+    if R == 0:
+        return CompactionResult()
+    old = manager.lengths[slots, layers, heads].long()
+    T = keep.shape[1]
+    if int(old.max()) > T:
+        raise ValueError(f"the keep mask covers {T} tokens; a row holds {int(old.max())}")
+    t = torch.arange(T, device=keep.device)
+    keep = keep & (t[None, :] < to_device(old, keep.device)[:, None])
+    if protect is not None and bool((protect > 0).any()):
+        keep = keep | (t[None, :] < to_device(protect.long(), keep.device)[:, None])
+    lead = (~keep).int().cumsum(1).eq(0).sum(1)  # tokens before the first evicted one
+    stats = torch.stack([keep.sum(1), lead]).cpu()  # the one device -> host copy
+    new, lead = stats[0], stats[1].minimum(old)
+    changed = new < old
+    if not bool(changed.any()):
+        return CompactionResult()
+    rows = changed.nonzero().flatten()
+    slots, layers, heads, old, new, lead = slots[rows], layers[rows], heads[rows], old[rows], new[rows], lead[rows]
+    keep = keep[to_device(rows, keep.device)] if len(rows) < R else keep
+
+    maxp = max(1, int(ceil_div(int(old.max()), P)))
+    table = manager.tables[slots, layers, heads, :maxp].long()  # [R', maxp] host
+    col = torch.arange(maxp)[None, :]
+    new_np, old_np = ceil_div(new, P)[:, None], ceil_div(old, P)[:, None]
+    tail = (col >= new_np) & (col < old_np) & (table >= 0)
+    written = (col >= (lead // P)[:, None]) & (col < new_np) & (table >= 0)
+
+    # the copy-on-write pages can come from the tails this frees: refuse before changing anything
+    written_shared = written & (pool.refcount[table.clamp(min=0)] > 1)
+    if int(written_shared.sum()) > pool.num_free + int(tail.sum()):
+        raise OutOfPages(f"compaction needs {int(written_shared.sum())} copy-on-write pages, {pool.num_free} free")
+
+    # device: sources of the tokens that move (at or after each row's leading run) and their ranks
+    movers = keep & (t[None, :] >= to_device(lead, keep.device)[:, None])
+    n_move = int((new - lead).sum())
+    r, tt = _nonzero(movers, n_move)
+    rank = (keep.long().cumsum(1) - 1)[r, tt]
+    table_d = to_device(table, dev)
+    src = table_d[r, tt // P] * P + tt % P
+    moved_kv = pool.format.take_tokens(src)  # queued before any page below is reused
+    moved_pos = pool.pos.view(-1)[src]
+
+    # host: free the tails, then copy-on-write the written pages another owner still reads
+    free_before = pool.num_free
+    new_table = table.clone()
+    pool.decref(table[tail])
+    new_table[tail] = -1
+    shared = written_shared & (pool.refcount[table.clamp(min=0)] > 1)  # a tail just freed may have been its twin
+    if bool(shared.any()):
+        old_pages = table[shared]
+        fresh = pool.alloc(old_pages.numel())
+        pool.copy_pages(to_device(old_pages, dev), to_device(fresh, dev))
+        new_table[shared] = fresh
+        pool.decref(old_pages)
+    if n_move:
+        dst = to_device(new_table, dev)[r, rank // P] * P + rank % P
+        pool.format.put_tokens(dst, moved_kv)
+        pool.pos.view(-1)[dst] = moved_pos
+
+    manager.set_rows(slots, layers, heads, new_table.to(torch.int32), new.to(torch.int32))
+    return CompactionResult(pages_freed=pool.num_free - free_before, tokens_removed=int((old - new).sum()))
+
+
+def _nonzero(mask: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of the ``size`` True entries of ``mask``, row-major, without a second host sync
+    where torch can size the result from ``size``."""
+    if size == 0:
+        e = torch.empty(0, dtype=torch.int64, device=mask.device)
+        return e, e
+    try:
+        idx = torch.nonzero_static(mask, size=size)
+    except (AttributeError, NotImplementedError, RuntimeError):
+        idx = torch.nonzero(mask)
+    return idx[:, 0], idx[:, 1]
