@@ -320,6 +320,8 @@ def main() -> None:
                     help="time the engine thread's spans per configuration (benchmarks/serving_profile.py); sync: "
                          "charge GPU work to the span that queued it (attribution, not the unprofiled speed)")
     ap.add_argument("--count-syncs", action="store_true", help="with --profile host: count host<->device syncs by line")
+    ap.add_argument("--torch-profile-steps", type=int, default=0,
+                    help="with --profile: trace this many eager prefill passes per configuration with torch's profiler")
     ap.add_argument("--out", default="benchmarks/results/agent_trace_cpu.json")
     add_engine_args(ap)
     args = ap.parse_args()
@@ -335,7 +337,8 @@ def main() -> None:
     if args.profile:
         if engine is None:
             raise SystemExit("--profile needs the in-process sidecar (no --target)")
-        profile = ServingProfile(engine, args.profile, count_syncs=args.count_syncs)
+        profile = ServingProfile(engine, args.profile, count_syncs=args.count_syncs,
+                                 torch_steps=args.torch_profile_steps)
     try:
         result = asyncio.run(replay(target, args, params, profile))
     finally:

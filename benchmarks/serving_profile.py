@@ -54,12 +54,12 @@ SPANS = [
     (None, "session_info", "cmd.session_info"),
     (None, "end_session", "cmd.end_session"),
 ]
-COUNTERS = ("forward_passes", "graph_steps", "preemptions", "demotions", "evicted_pages", "evicted_tokens",
+COUNTERS = ("forward_passes", "graph_steps", "preemptions", "swaps", "demotions", "evicted_pages", "evicted_tokens",
             "decoded_tokens")
 
 
 class ServingProfile:
-    def __init__(self, engine: Any, mode: str = "sync", count_syncs: bool = False):
+    def __init__(self, engine: Any, mode: str = "sync", count_syncs: bool = False, torch_steps: int = 0):
         import torch
 
         if mode not in ("sync", "host"):
@@ -69,6 +69,8 @@ class ServingProfile:
         self.cuda = engine.device.type == "cuda"
         self._sync = torch.cuda.synchronize if (self.cuda and mode == "sync") else (lambda: None)
         self.count_syncs = count_syncs and self.cuda
+        self.torch_steps = torch_steps
+        """Trace this many eager steps with prefill (from the 3rd) per configuration with torch's profiler."""
         self._local = threading.local()
         self._thread: int | None = None  # the engine thread (the first one to run a step)
         self.reset()
@@ -82,6 +84,10 @@ class ServingProfile:
         self.spans: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])  # calls, total, self
         self.sync_sites: collections.Counter = collections.Counter()
         self.steps = 0
+        self._traced = 0
+        self._prefill_steps = 0
+        self._prof = None
+        self.torch_tables: dict[str, str] = {}
         self._counters0 = self._counters()
         self._t0 = time.perf_counter()
 
@@ -94,7 +100,8 @@ class ServingProfile:
         return {"mode": self.mode, "wall_s": round(wall, 3), "engine_busy_s": round(busy, 3),
                 "engine_steps": self.steps, "spans": spans,
                 "counters": {k: now[k] - self._counters0.get(k, 0) for k in now},
-                "host_syncs": dict(self.sync_sites.most_common(25)) if self.count_syncs else None}
+                "host_syncs": dict(self.sync_sites.most_common(25)) if self.count_syncs else None,
+                "torch_profile": self.torch_tables or None}
 
     def _counters(self) -> dict[str, int]:
         stats = self.engine.stats()
@@ -112,6 +119,8 @@ class ServingProfile:
                 return fn(*args, **kwargs)
             if name == "step" and profile.count_syncs:
                 return profile._counting_syncs(lambda: profile._span(name, fn, args, kwargs))
+            if name == "forward.eager" and profile.torch_steps and args and args[0].prefill:
+                return profile._traced_step(lambda: profile._span(name, fn, args, kwargs))
             return profile._span(name, fn, args, kwargs)
 
         return timed
@@ -138,6 +147,32 @@ class ServingProfile:
             if name == "step":
                 self.steps += 1
 
+    def _traced_step(self, run):
+        """Eager passes with prefill chunks: the 3rd to the (2 + torch_steps)th under torch's profiler."""
+        import torch
+
+        self._prefill_steps += 1
+        if self._traced >= self.torch_steps or self._prefill_steps < 3:
+            return run()
+        if self._prof is None:
+            acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if self.cuda else [])
+            self._prof = torch.profiler.profile(activities=acts)
+            self._prof.__enter__()
+        try:
+            return run()
+        finally:
+            self._traced += 1
+            if self._traced >= self.torch_steps:
+                if self.cuda:
+                    torch.cuda.synchronize()
+                self._prof.__exit__(None, None, None)
+                ka = self._prof.key_averages()
+                by = "cuda_time_total" if self.cuda else "cpu_time_total"
+                self.torch_tables = {
+                    "by_device_time": ka.table(sort_by=by, row_limit=25, max_name_column_width=70),
+                    "by_host_self_time": ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)}
+                self._prof = None
+
     def _counting_syncs(self, run):
         import torch
 
@@ -160,6 +195,8 @@ def print_report(config: str, rep: dict, rows: int = 14) -> None:
     for name, s in list(rep["spans"].items())[:rows]:
         print(f"    {name:<32} self {s['self_s']:8.3f} s ({100 * s['self_s'] / busy:5.1f}%)  total {s['total_s']:8.3f} s  "
               f"calls {s['calls']}")
+    for title, table in (rep.get("torch_profile") or {}).items():
+        print(f"    torch profiler, {rep['engine_steps']} steps' prefill passes, {title}:\n{table}")
     if rep["host_syncs"]:
         total = sum(rep["host_syncs"].values())
         print(f"    host syncs: {total} over {rep['engine_steps']} steps; top: "

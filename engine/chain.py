@@ -143,6 +143,7 @@ class ChainCache:
         self.host_limit = int(cfg.host_cache_gb * 2**30)
         self.prefixes = PrefixIndex(self.manager, engine.fingerprint().encode())
         self.demotions = 0
+        self.swaps = 0
 
     # --- turns -----------------------------------------------------------------------------------
     def start_turn(self, session_id: Hashable, tokens: list[int], params: SamplingParams, *, role: str = "user",
@@ -369,11 +370,7 @@ class ChainCache:
         self._release_gpu(chain)
         self._set_host(chain, snap, Tier.HOST)
         self.demotions += 1
-        while self.host_bytes > self.host_limit:
-            victims = sorted((c for c in self.chains.values() if c.state is ChainState.HOST), key=lambda c: c.last_used)
-            if not victims:
-                break
-            self._drop_to_history(victims[0])
+        self._make_host_room(0)
 
     def _drop_to_history(self, chain: Chain) -> None:
         self._clear_host(chain)
@@ -408,6 +405,33 @@ class ChainCache:
         if chain.state is not ChainState.ACTIVE and not allow_idle:
             return 0
         return int(ceil_div(chain.host.kv.lengths.long() + n_new, self.manager.page_size).sum())
+
+    def swap_out(self, seq: Sequence) -> bool:
+        """A running session is preempted: its KV and method state go to host memory (the scheduler
+        readmits it through ``restore``, and it goes on where it stopped). False when ``seq`` is no
+        session's or host memory has no room for it (the caller then drops its KV)."""
+        chain = self.chains.get(seq.seq_id)
+        if chain is None or not self.manager.has(seq.seq_id):
+            return False
+        snap = self._snapshot_kv(chain)
+        if self.host_bytes + snap.nbytes > self.host_limit and not self._make_host_room(snap.nbytes, keep=chain):
+            return False
+        self._release_gpu(chain)
+        self._set_host(chain, snap, Tier.HOST)
+        chain.state = ChainState.ACTIVE  # still running its turn, with its KV in host memory
+        self.swaps += 1
+        return True
+
+    def _make_host_room(self, nbytes: int, keep: Chain | None = None) -> bool:
+        """Drop idle sessions' host copies (least recently used first, ``keep`` spared) to their
+        history until ``nbytes`` more fit in ``host_cache_gb``."""
+        victims = sorted((c for c in self.chains.values() if c.state is ChainState.HOST and c is not keep),
+                         key=lambda c: c.last_used)
+        for c in victims:
+            if self.host_bytes + nbytes <= self.host_limit:
+                break
+            self._drop_to_history(c)
+        return self.host_bytes + nbytes <= self.host_limit
 
     def preempted(self, seq: Sequence) -> None:
         """A running session lost its cache to preemption: it will re-prefill its history."""

@@ -485,6 +485,7 @@ class LLMEngine:
             "evicted_tokens": self.controller.evicted_tokens,
             "sessions": len(self.chains.chains),
             "demotions": self.chains.demotions,
+            "swaps": self.scheduler.swaps,
             "prefix_holders": self.chains.prefixes.num_holders,
             **self.totals,
         }

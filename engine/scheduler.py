@@ -3,8 +3,9 @@
 Each step it packs one forward pass, up to ``max_num_batched_tokens`` tokens:
 
 1. every running sequence: its decode token, or its next prefill chunk (``prefill_chunk_size``);
-   when the pool is short of pages, the most recently admitted sequence is preempted (its pages
-   are freed and it is prefilled again later: recompute), so the engine never runs out of memory;
+   when the pool is short of pages, the most recently admitted sequence is preempted, so the
+   engine never runs out of memory: a session's KV moves to host memory and comes back when it is
+   readmitted (swap), a one-shot request's pages are freed and it is prefilled again (recompute);
 2. waiting sequences, first come first served, while their first chunk fits in the free pages
    with a reservation left for one decode step of every running sequence.
 
@@ -51,6 +52,8 @@ class Scheduler:
         self.chains = None
         """The engine's ChainCache, when sessions are on: it frees room by demoting idle sessions."""
         self.preemptions = 0
+        self.swaps = 0
+        """Preemptions that moved a session's KV to host memory instead of dropping it."""
         L, H = manager.num_layers, manager.num_kv_heads
         self._pages_per_step = L * H  # the most pages one decode step of one sequence can take
 
@@ -158,12 +161,20 @@ class Scheduler:
         return batch
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """Make room by taking ``seq`` out of the batch: a session's KV goes to host memory and comes
+        back when it is readmitted (nothing is recomputed); a one-shot request's is dropped and
+        prefilled again."""
         self.running.remove(seq)
-        if self.chains is not None:
-            self.chains.preempted(seq)
-        self.manager.release(seq.seq_id)
-        self.controller.release(seq.seq_id)
-        seq.reset_for_recompute()
+        if self.chains is not None and self.chains.swap_out(seq):
+            seq.status = SeqStatus.WAITING
+            seq.counters.preemptions += 1
+            self.swaps += 1
+        else:
+            if self.chains is not None:
+                self.chains.preempted(seq)
+            self.manager.release(seq.seq_id)
+            self.controller.release(seq.seq_id)
+            seq.reset_for_recompute()
         self.waiting.appendleft(seq)
         self.preemptions += 1
         batch.preempted.append(seq)

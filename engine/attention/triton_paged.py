@@ -40,7 +40,8 @@ def _decode_partial_kernel(
     Scores, stride_scb, stride_sch,
     scale,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-    BLOCK_T: tl.constexpr, SPLITS: tl.constexpr, HAS_SEL: tl.constexpr, WRITE_SCORES: tl.constexpr,
+    SPLITS,  # a runtime value: the split count follows the batch, and a new value must not compile a kernel
+    BLOCK_T: tl.constexpr, HAS_SEL: tl.constexpr, WRITE_SCORES: tl.constexpr,
     PREC: tl.constexpr,
 ):
     bh = tl.program_id(0)
@@ -100,7 +101,7 @@ def _decode_partial_kernel(
 
 
 @triton.jit
-def _decode_reduce_kernel(Acc, Mx, Sm, Out, Lse, SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr):
+def _decode_reduce_kernel(Acc, Mx, Sm, Out, Lse, SPLITS, SP: tl.constexpr, D: tl.constexpr):
     r = tl.program_id(0)  # b * Hq + hq
     s = tl.arange(0, SP)
     d = tl.arange(0, D)
@@ -202,7 +203,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
         acc, mx, sm,
         sc, sc.stride(0) if scores is not None else 0, sc.stride(1) if scores is not None else 0,
         scale,
-        H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, P=P, BLOCK_T=BT, SPLITS=splits,
+        H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, P=P, SPLITS=splits, BLOCK_T=BT,
         HAS_SEL=has_sel, WRITE_SCORES=scores is not None,
         PREC="ieee" if k_pool.dtype == torch.float32 else "tf32",  # float32 pools (parity tests) stay exact
         num_warps=num_warps, num_stages=num_stages,
