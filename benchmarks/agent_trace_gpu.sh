@@ -42,12 +42,13 @@ run_trace() {  # NAME, then agent_trace.py flags; cut at RUN_TIMEOUT_S seconds w
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "${SCALE:-0}" = 1 ]; then
-  # the regime the product is for: 32 sessions at once, long tool outputs (contexts reach 16-25K),
+  # the regime the product is for: 32 sessions at once, long tool outputs (contexts reach 16-25K), replies
+  # of 128 tokens (an agent's reasoning and tool call),
   # run with the whole pool and with 24 GB of KV (the room a 70B-class model leaves per GPU), where
   # dense chain caching cannot hold every session. Both get 64 GB of host memory for demoted KV.
   configs=${CONFIGS:-dense,snapkv,streaming_llm,quest,dense+prune,snapkv+prune,nochain}
   trace=(--sessions 32 --turns 5 --concurrency 32 --system-words 1500 --tool-median 2400 --tool-sigma 0.5
-         --tool-max 7000 --output-tokens 32 --think-s 0.5 --host-cache-gb 64)
+         --tool-max 7000 --output-tokens 128 --think-s 0.5 --host-cache-gb 64)
   RUN_TIMEOUT_S=${SCALE_TIMEOUT_S:-270}
   run_trace "${NAME:-agent_trace_scale}_pool24" --configs "$configs" "${trace[@]}" --kv-cache-gb 24 || true
   if [ "${SCALE_FULL:-1}" = 1 ]; then

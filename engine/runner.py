@@ -137,7 +137,7 @@ class ModelRunner:
 
         pos_t = torch.tensor(positions, dtype=torch.long)
         slot_mapping = self.manager.append(seq_ids, counts, pos_t)
-        pos_dev = pos_t.to(self.device)
+        pos_dev = to_device(pos_t, self.device)
         attend = PagedAttention(self.manager, self.controller, self.backend, self.scale,
                                 decode_ids=[s.seq_id for s in batch.decode],
                                 decode_num_tokens=[s.num_cached + 1 for s in batch.decode],
@@ -158,9 +158,9 @@ class ModelRunner:
                 sample_rows.append(len(rows) - 1)
                 sampling.append(seq)
 
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        input_ids = to_device(torch.tensor(ids, dtype=torch.long), self.device)
         try:
-            logits = self.model(input_ids, pos_dev, attend, torch.tensor(rows, dtype=torch.long, device=self.device))
+            logits = self.model(input_ids, pos_dev, attend, to_device(torch.tensor(rows, dtype=torch.long), self.device))
         except BaseException:
             self.controller.drop_pending_evictions()
             raise
@@ -207,7 +207,7 @@ class ModelRunner:
                     slot_mapping = self.manager.append([sid], [len(ids)], pos)
                     seg = PrefillSegment(seq_id=sid, slot=slot, offset=0, length=len(ids), start=start, is_last=False,
                                          context_lengths=context)
-                    pos_dev = pos.to(self.device)
+                    pos_dev = to_device(pos, self.device)
                     attend = PagedAttention(self.manager, self.controller, self.backend, self.scale, decode_ids=[],
                                             decode_num_tokens=[], segments=[seg], slot_mapping=slot_mapping,
                                             positions=pos_dev)

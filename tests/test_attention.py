@@ -117,3 +117,30 @@ def test_non_finite_values_past_a_heads_end_are_never_read():
              ReferenceAttention().prefill(pool, view, qn, torch.arange(40, 40 + n), D ** -0.5)[0])
     for a, b in zip(clean, dirty):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("n", [1, 13, 40])
+def test_triton_prefill_with_uniform_heads_equals_the_reference(n):
+    """The GPU backend's prefill skips the per-head mask when every head holds the same tokens (its
+    torch code runs on the CPU too): the same outputs and window probabilities as the oracle."""
+    pytest.importorskip("triton")
+    from engine.attention.triton_paged import TritonPagedAttention
+
+    H, G, D, P, before = 2, 4, 8, 4, 30
+    g = torch.Generator().manual_seed(n)
+    pool = PagePool(256, P, D, torch.float32, torch.device("cpu"))
+    mgr = CacheManager(pool, 1, H, 1, 512)
+    mgr.open(0)
+    total = before + n
+    slots = mgr.append([0], [total], torch.arange(total))
+    ReferenceAttention().store_kv(pool, slots[0], torch.randn(total, H, D, generator=g), torch.randn(total, H, D, generator=g))
+    tables, lengths = mgr.view_tables(torch.tensor([0]), 0, mgr.max_pages)
+    view = AttentionView(tables, lengths, P)
+    q = torch.randn(n, H * G, D, generator=g)
+    q_pos = torch.arange(before, total)
+    ref_out, ref_probs = ReferenceAttention().prefill(pool, view, q, q_pos, D ** -0.5, probs_window=8)
+    out, probs = TritonPagedAttention(torch.device("cpu")).prefill(pool, view, q, q_pos, D ** -0.5, probs_window=8,
+                                                                   uniform_length=total)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(probs, ref_probs[..., :total], rtol=1e-5, atol=1e-6)
+    assert float(ref_probs[..., total:].abs().sum()) == 0

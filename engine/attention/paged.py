@@ -57,7 +57,7 @@ class PagedAttention:
         self._recorded_rows = [(i, self.query_windows[s]) for i, s in enumerate(decode_ids) if s in self.query_windows]
         device = manager.device
         self._decode_slots = torch.tensor([manager.slot(s) for s in decode_ids], dtype=torch.long)
-        self._decode_slots_dev = self._decode_slots.to(device)
+        self._decode_slots_dev = to_device(self._decode_slots, device)
         self._groups = controller.group(decode_ids) if decode_ids else []
         self._decode_probs = controller.decode_needs_probs(self._groups)
 
@@ -113,8 +113,10 @@ class PagedAttention:
         # quantized pages: the chunk attends its own K/V in full precision (KIVI's prefill), the
         # cached history dequantized
         chunk_kv = None if self.manager.pool.format.plain else (k, v)
+        lengths = self.manager.lengths[seg.slot, layer]
+        uniform = int(lengths[0]) if sel is None and bool((lengths == lengths[0]).all()) else None
         out, probs = self.backend.prefill(self.manager.pool, view, q, qpos, self.scale, probs_window=window,
-                                          chunk_kv=chunk_kv)
+                                          chunk_kv=chunk_kv, uniform_length=uniform)
         if scoring:
             chunk = PrefillChunk(seq_id=seg.seq_id, layer=layer, start=seg.start, length=seg.length, is_last=False,
                                  q=q, k=k, v=v, probs=probs, lengths=self.manager.lengths[seg.slot, layer].clone(),

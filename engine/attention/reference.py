@@ -63,10 +63,13 @@ class ReferenceAttention:
         return out, (probs.reshape(B, Hq, -1) if want_probs else None)
 
     def prefill(self, pool: PagePool, view: AttentionView, q: torch.Tensor, q_pos: torch.Tensor, scale: float,
-                probs_window: int = 0, chunk_kv: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                probs_window: int = 0, chunk_kv: tuple | None = None,
+                uniform_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A chunk of one sequence (view of batch 1): q ``[n, Hq, D]`` at positions ``q_pos`` ``[n]``.
         ``chunk_kv``: the chunk's own K/V ``[n, H, D]`` in full precision, read instead of their
-        stored (quantized) copies, as KIVI prefills.
+        stored (quantized) copies, as KIVI prefills. ``uniform_length``: every head holds this many
+        tokens and the view hides none (a backend may then skip the per-head mask; this oracle
+        always builds it).
 
         Returns out ``[n, Hq, D]`` and, if ``probs_window`` > 0, the probabilities of the chunk's
         last ``probs_window`` queries, ``[Hq, w, T]`` over the head's physical tokens.

@@ -270,24 +270,37 @@ class TritonPagedAttention:
         return out, probs
 
     def prefill(self, pool: PagePool, view: AttentionView, q: torch.Tensor, q_pos: torch.Tensor, scale: float,
-                probs_window: int = 0, chunk_kv: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                probs_window: int = 0, chunk_kv: tuple | None = None,
+                uniform_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         n, Hq, D = q.shape
         H, NP = view.tables.shape[1], view.tables.shape[2]
         G = Hq // H
-        T = NP * pool.page_size
-        k, v, kpos, readable = (x[0] for x in gather_view(pool, view))  # [H, T, D], [H, T]; hidden slots zeroed
-        if chunk_kv is not None:  # the chunk's own K/V in full precision (quantized formats)
-            overlay_chunk(k, v, view.lengths[0], chunk_kv)
-        mask = readable[:, None, :] & (kpos[:, None, :] <= q_pos[None, :, None])  # [H, n, T]
+        if uniform_length is not None and chunk_kv is None:
+            # every head holds the same T tokens, the chunk's n last: query i reads keys 0..T-n+i.
+            # One [n, T] mask for all heads instead of a per-head [H, n, T] one, and no positions.
+            T = uniform_length
+            pages = view.tables[0, :, : triton.cdiv(T, pool.page_size)].long()
+            k, v = pool.read_pages(pages)
+            k, v = k.reshape(H, -1, D)[:, :T], v.reshape(H, -1, D)[:, :T]
+            rows = torch.arange(n, device=q.device)[:, None] + (T - n)
+            mask = torch.arange(T, device=q.device)[None, :] <= rows  # [n, T]
+            head_mask = mask
+        else:
+            T = NP * pool.page_size
+            k, v, kpos, readable = (x[0] for x in gather_view(pool, view))  # [H, T, D], [H, T]; hidden slots zeroed
+            if chunk_kv is not None:  # the chunk's own K/V in full precision (quantized formats)
+                overlay_chunk(k, v, view.lengths[0], chunk_kv)
+            mask = readable[:, None, :] & (kpos[:, None, :] <= q_pos[None, :, None])  # [H, n, T]
+            head_mask = mask[:, None]
         qh = q.permute(1, 0, 2).reshape(H, G, n, D)
         out = F.scaled_dot_product_attention(qh, k[:, None].expand(H, G, T, D), v[:, None].expand(H, G, T, D),
-                                             attn_mask=mask[:, None], scale=scale)
+                                             attn_mask=head_mask, scale=scale)
         out = out.reshape(Hq, n, D).permute(1, 0, 2).contiguous()
         window = None
         if probs_window > 0:
             w = min(probs_window, n)
             s = torch.einsum("hgwd,htd->hgwt", qh[:, :, n - w :].float(), k.float()) * scale
-            s = s.masked_fill(~mask[:, None, n - w :], float("-inf"))
+            s = s.masked_fill(~head_mask[..., n - w :, :], float("-inf"))
             window = torch.softmax(s, dim=-1).reshape(Hq, w, T)
         return out, window
 

@@ -33,13 +33,13 @@ def mask_past_lengths(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tens
     return scores.masked_fill(t[None, :] >= to_device(lengths, scores.device)[:, None], float("-inf"))
 
 
-def topk_per_head(scores: torch.Tensor, lengths: torch.Tensor, budgets) -> list[torch.Tensor]:
+def topk_per_head(scores: torch.Tensor, lengths: torch.Tensor, budgets) -> "torch.Tensor | list[torch.Tensor]":
     """Sorted indices of the ``budgets[h]`` best tokens of each head (all of a head within budget).
 
     Heads of the same length and budget (usually all of a layer) share one top-k over
     ``scores[heads, :length]`` — per row exactly the call a head alone would make, so ties fall the
-    same way. Returns one 1-D tensor per head, on the scores' device (no host sync: the controller
-    brings a whole pass's decisions to the host in one copy)."""
+    same way. Returns one index tensor per head (the rows of one ``[H, k]`` tensor when every head
+    keeps the same count), on the scores' device: no host sync."""
     n = [int(x) for x in lengths.tolist()]  # lengths live on the host: no device sync
     b = [int(x) for x in budgets]
     out = [torch.arange(x) for x in n]
@@ -52,7 +52,7 @@ def topk_per_head(scores: torch.Tensor, lengths: torch.Tensor, budgets) -> list[
     H, dev = len(n), scores.device
     if len(groups) == 1 and len(next(iter(groups.values()))) == H:  # the usual case: one call, no gather
         (length, k), = groups
-        idx = scores[:, :length].float().topk(k, dim=-1).indices
+        return scores[:, :length].float().topk(k, dim=-1).indices.sort(dim=-1).values  # [H, k]: a row per head
     else:
         idx = torch.full((H, max(k for _, k in groups)), scores.shape[-1], dtype=torch.int64, device=dev)
         for (length, k), heads in groups.items():
