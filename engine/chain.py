@@ -18,7 +18,7 @@ import enum
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Hashable
+from typing import Any, Hashable
 
 import numpy as np
 import torch
@@ -29,9 +29,6 @@ from engine.lifecycle import MethodSpec, SeqInfo, Span
 from engine.prefix import PrefixIndex, QueryWindow, prune_span
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence, SeqStatus
-
-if TYPE_CHECKING:  # pragma: no cover
-    from engine.llm import LLMEngine
 
 
 class Tier(str, enum.Enum):
@@ -133,7 +130,7 @@ def history_digest(tokens: list[int]) -> str:
 class ChainCache:
     """Session chains of one engine: turns, tiers, forks, pruning, snapshots."""
 
-    def __init__(self, engine: "LLMEngine"):
+    def __init__(self, engine: Any):
         self.engine = engine
         cfg = engine.config
         self.manager = engine.manager

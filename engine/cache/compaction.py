@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from engine.cache.pages import OutOfPages
+from engine.cache.errors import OutOfPages
 from engine.cache.transfer import ceil_div, to_device
 
 

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 from engine.lifecycle import MethodError, MethodSpec
+from engine.methods.registry import get_method_class, register
 from engine.methods.scored import ScoredEviction, topk_across_heads
 
 
@@ -31,14 +32,13 @@ class AdaKVParams:
     alpha_safeguard: float = 0.2
 
 
+@register
 class AdaKV(ScoredEviction):
     name = "adakv"
     Params = AdaKVParams
 
     def __init__(self, spec, shape):
         super().__init__(spec, shape)
-        from engine.methods import get_method_class  # the registry imports this module
-
         cls = get_method_class(self.params.scorer)
         if not issubclass(cls, ScoredEviction) or cls is AdaKV:
             raise MethodError(f"adakv.scorer must be a scoring eviction method, not {self.params.scorer!r}")

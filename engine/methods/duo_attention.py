@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from engine.lifecycle import DecodeBatch, MethodError, PrefillChunk, SparseMethod, recent_and_sink
+from engine.methods.registry import register
 
 PATTERN_DIR = Path(__file__).parent / "patterns"
 
@@ -74,6 +75,7 @@ def streaming_heads(scores: torch.Tensor, sparsity: float) -> torch.Tensor:
     return mask.view_as(scores)
 
 
+@register
 class DuoAttention(SparseMethod):
     name = "duo_attention"
     Params = DuoAttentionParams

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from engine.cache.manager import to_device
 from engine.lifecycle import ChunkInfo, DecodeBatch, MethodError, PrefillChunk
+from engine.methods.registry import register
 from engine.methods.scored import ScoredEviction, force_keep, topk_per_head
 
 
@@ -52,6 +53,7 @@ def h2o_scores(acc: torch.Tensor, lengths: torch.Tensor, recent: int) -> torch.T
     return force_keep(acc.masked_fill(t >= n, float("-inf")), (t >= n - recent) & (t < n))
 
 
+@register
 class H2O(ScoredEviction):
     name = "h2o"
     Params = H2OParams

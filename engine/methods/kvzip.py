@@ -32,6 +32,7 @@ import torch
 
 from engine.cache.manager import to_device
 from engine.lifecycle import MethodError, PrefillChunk, ScoringPass, SeqInfo, SparseMethod
+from engine.methods.registry import register
 from engine.methods.scored import topk_per_head
 
 
@@ -54,6 +55,7 @@ def reconstruction_scores(probs: torch.Tensor, context_lengths: torch.Tensor) ->
     return scores.masked_fill(t[None, :] >= to_device(context_lengths, scores.device)[:, None], float("-inf"))
 
 
+@register
 class KVzip(SparseMethod):
     name = "kvzip"
     Params = KVzipParams

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.lifecycle import MethodError
+from engine.methods.registry import register
 from engine.methods.scored import split_evenly
 from engine.methods.snapkv import SnapKV
 
@@ -52,6 +53,7 @@ def pyramid_budgets(num_layers: int, budget: int, window: int, context: int, bet
     return [window + b for b in split_evenly(total, line)]
 
 
+@register
 class PyramidKV(SnapKV):
     name = "pyramidkv"
     Params = PyramidKVParams

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from engine.lifecycle import DecodeBatch, MethodError, SparseMethod
 from engine.methods.decode_window import DecodeWindow, window_probs
+from engine.methods.registry import register
 from engine.methods.scored import force_keep, pool_1d, topk_per_head
 
 
@@ -64,6 +65,7 @@ def rkv_scores(probs: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, kern
     return force_keep(out, window)
 
 
+@register
 class RKV(SparseMethod):
     name = "rkv"
     Params = RKVParams

@@ -28,6 +28,7 @@ import torch
 from engine.cache.manager import to_device
 from engine.lifecycle import ChunkInfo, DecodeBatch, MethodError, PrefillChunk
 from engine.methods.decode_window import DecodeWindow, window_probs
+from engine.methods.registry import register
 from engine.methods.scored import ScoredEviction, force_keep, pool_1d, topk_per_head
 
 
@@ -58,6 +59,7 @@ def snapkv_scores(probs: torch.Tensor, lengths: torch.Tensor, kernel_size: int, 
     return force_keep(pooled.masked_fill(~prefix, float("-inf")), ~prefix & (t < n))
 
 
+@register
 class SnapKV(ScoredEviction):
     name = "snapkv"
     Params = SnapKVParams

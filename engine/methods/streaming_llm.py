@@ -31,6 +31,7 @@ import torch
 
 from engine.cache.transfer import to_device
 from engine.lifecycle import KeepMask, MethodError, PrefillChunk, SparseMethod, recent_and_sink
+from engine.methods.registry import register
 
 
 @dataclass
@@ -39,6 +40,7 @@ class StreamingLLMParams:
     slack: int = 64
 
 
+@register
 class StreamingLLM(SparseMethod):
     name = "streaming_llm"
     Params = StreamingLLMParams
