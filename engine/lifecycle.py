@@ -123,6 +123,11 @@ class MethodSpec:
         if self.budget_ratio is not None and not (0 < self.budget_ratio <= 1):
             raise MethodError(f"budget_ratio must be in (0, 1], not {self.budget_ratio!r}")
 
+    @classmethod
+    def from_config(cls, config: Any) -> "MethodSpec":
+        """The default spec an EngineConfig names (its ``method``, ``budget``, ``budget_ratio``, ``method_args``)."""
+        return cls(config.method, config.budget, config.budget_ratio, dict(config.method_args))
+
     def key(self) -> tuple:
         return (self.method, self.budget, self.budget_ratio, tuple(sorted((k, repr(v)) for k, v in self.method_args.items())))
 

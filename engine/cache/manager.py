@@ -146,6 +146,10 @@ class CacheManager:
         pages = self.tables[self.slot(seq_id)]
         return self.pool.bytes_of(pages[pages >= 0])
 
+    def pages_for_new(self, n: int) -> int:
+        """Pages a new sequence of ``n`` tokens takes (every layer and kv-head holds them all)."""
+        return self.num_layers * self.num_kv_heads * int(ceil_div(n, self.page_size))
+
     def pages_for_append(self, seq_ids: Sequence[Hashable], counts: Sequence[int]) -> int:
         """Pages that appending ``counts[i]`` tokens to every head of ``seq_ids[i]`` would take."""
         return int(self.pages_for_append_each(seq_ids, counts).sum()) if seq_ids else 0
