@@ -63,9 +63,9 @@ from typing import Any, ClassVar, Hashable, Mapping, Protocol, Sequence
 
 import torch
 
+from engine.cache.compaction import Keep  # noqa: F401  (the keep decisions hooks return)
+
 SeqId = Hashable
-Keep = "torch.Tensor | Sequence[torch.Tensor]"
-"""Kept physical indices of one (sequence, layer): ``[H, m]``, or one 1-D tensor per kv-head."""
 
 
 class MethodError(ValueError):
