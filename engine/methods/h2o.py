@@ -65,9 +65,6 @@ class H2O(ScoredEviction):
             raise MethodError(f"h2o.recent_ratio must be in [0, 1], not {self.params.recent_ratio}")
         self._acc: dict[tuple, torch.Tensor] = {}
 
-    def kept_tokens(self, num_tokens: int) -> int:
-        return min(num_tokens, self.budget_for(num_tokens))
-
     def _recent(self, budget: int) -> int:
         return round(self.params.recent_ratio * budget)
 

@@ -60,6 +60,7 @@ class KVzip(SparseMethod):
     name = "kvzip"
     Params = KVzipParams
     needs_budget = True
+    holds_budget = True
 
     def __init__(self, spec, shape):
         super().__init__(spec, shape)
@@ -68,9 +69,6 @@ class KVzip(SparseMethod):
             raise MethodError("kvzip: chunk_size must be >= 1 and n_sink >= 0")
         self._scores: dict = {}  # (seq, layer) -> [H, Tc] running max
         self._lengths: dict = {}  # (seq, layer) -> [H] history lengths
-
-    def kept_tokens(self, num_tokens: int) -> int:
-        return min(num_tokens, self.budget_for(num_tokens))
 
     def repeat_prompt_ids(self, tokenizer) -> list[int]:
         """The instruction that precedes each reconstructed chunk (none without a tokenizer)."""

@@ -67,7 +67,7 @@ class SnapKV(ScoredEviction):
     def __init__(self, spec, shape):
         super().__init__(spec, shape)
         p = self.params
-        self.decode_interval = getattr(p, "decode_interval", 0)  # subclasses (PyramidKV) may not have it
+        self.decode_interval = p.decode_interval
         if p.window_size < 1 or p.kernel_size < 1 or self.decode_interval < 0:
             raise MethodError(f"{self.name}: window_size and kernel_size must be >= 1, decode_interval >= 0")
         if p.pooling not in ("avgpool", "maxpool"):

@@ -45,6 +45,7 @@ class StreamingLLM(SparseMethod):
     name = "streaming_llm"
     Params = StreamingLLMParams
     needs_budget = True
+    holds_budget = True
 
     def __init__(self, spec, shape):
         super().__init__(spec, shape)
@@ -53,8 +54,8 @@ class StreamingLLM(SparseMethod):
         if spec.budget is not None and spec.budget <= self.params.n_sink:
             raise MethodError(f"streaming_llm budget ({spec.budget}) must exceed n_sink ({self.params.n_sink})")
 
-    def kept_tokens(self, num_tokens: int) -> int:
-        return min(num_tokens, self.budget_for(num_tokens) + self.params.slack)
+    def kept_slack(self) -> int:
+        return self.params.slack
 
     def after_prefill_chunk(self, layer: int, chunk: PrefillChunk):
         lengths = chunk.lengths

@@ -36,9 +36,6 @@ class TOVA(ScoredEviction):
     name = "tova"
     needs_decode_probs = True
 
-    def kept_tokens(self, num_tokens: int) -> int:
-        return min(num_tokens, self.budget_for(num_tokens))
-
     def probs_window(self, chunk: ChunkInfo) -> int:
         return 1
 
