@@ -271,6 +271,7 @@ def test_rkv_rule(tiny_engine):
 
 
 # --- 3. pages really go back to the pool; per-head / per-layer budgets add up ---------------------
+@pytest.mark.slow
 def test_pages_freed_and_budgets_add_up():
     engine = LLMEngine(EngineConfig(num_pages=20000, prefill_chunk_size=512, max_num_batched_tokens=4096))
     prompt = chat(engine, haystack(12) + " What color is item 3?")
@@ -330,6 +331,7 @@ def test_probabilities_only_when_asked(tiny_engine):
 
 
 # --- 4. the command line ----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_generate_snapkv_on_the_command_line():
     text = haystack(40) + " What color is item 3?"
     cmd = [sys.executable, "-m", "sidecar.cli", "generate", "--method", "snapkv", "--budget", "256", "--chat", "--json",
