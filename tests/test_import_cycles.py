@@ -96,3 +96,30 @@ def test_the_check_finds_a_cycle(tmp_path):
     (pkg / "c.py").write_text("import cyclic.a\n")  # imports into the cycle, is not part of it
     cycles = list(nx.simple_cycles(import_graph(["cyclic"], tmp_path)))
     assert sorted(cycles[0]) == ["cyclic.a", "cyclic.b"] and len(cycles) == 1
+
+
+LAYER_RULES = {
+    "engine.cache": ("engine.cache",),
+    "engine.lifecycle": ("engine.cache",),
+    "engine.methods": ("engine.methods", "engine.lifecycle", "engine.cache"),
+}
+"""A module under a prefix may import only modules under the listed prefixes (docs/architecture.md)."""
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def test_engine_layers_point_down():
+    graph = import_graph(["engine"])
+    bad = [f"{a} -> {b}" for a, b in graph.edges()
+           for prefix, allowed in LAYER_RULES.items()
+           if _under(a, prefix) and not any(_under(b, p) for p in allowed)]
+    assert not bad, "imports against the layer rules:\n" + "\n".join(sorted(bad))
+
+
+def test_engine_never_imports_the_sidecar():
+    imported = set()
+    for module, path in module_files("engine").items():
+        imported |= imports_of(module, path, {**module_files("engine"), **module_files("sidecar")})
+    assert not [m for m in imported if _under(m, "sidecar")]

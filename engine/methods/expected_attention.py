@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache.manager import to_device
+from engine.cache.transfer import to_device
 from engine.lifecycle import MethodError, PrefillChunk
 from engine.methods.registry import register
 from engine.methods.scored import ScoredEviction, force_keep

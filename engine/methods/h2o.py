@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.cache.manager import to_device
+from engine.cache.transfer import to_device
 from engine.lifecycle import ChunkInfo, DecodeBatch, MethodError, PrefillChunk
 from engine.methods.registry import register
 from engine.methods.scored import ScoredEviction, force_keep, topk_per_head

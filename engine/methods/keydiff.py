@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.cache.manager import to_device
+from engine.cache.transfer import to_device
 from engine.lifecycle import PrefillChunk
 from engine.methods.registry import register
 from engine.methods.scored import ScoredEviction

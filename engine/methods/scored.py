@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
-from engine.cache.manager import to_device
+from engine.cache.transfer import to_device
 from engine.lifecycle import ChunkInfo, PrefillChunk, SparseMethod
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache.manager import to_device
+from engine.cache.transfer import to_device
 from engine.lifecycle import ChunkInfo, DecodeBatch, MethodError, PrefillChunk
 from engine.methods.decode_window import DecodeWindow, window_probs
 from engine.methods.registry import register
