@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-from sidecar.server import ServerHooks
+from sidecar.hooks import ServerHooks
 
 if TYPE_CHECKING:  # pragma: no cover
     from engine.llm import LLMEngine
