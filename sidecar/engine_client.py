@@ -25,6 +25,7 @@ than the current ones, which rendering never does after its first, start-up enco
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from engine.prune_rule import check_span, due_spans
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
 from sidecar.engine_loop import EngineFailed, EngineLoop
-from sidecar.engine_results import (ModelInfo, PruneResult, SessionInfo, TurnDelta, TurnResult)
+from sidecar.engine_results import EngineStats, ModelInfo, PruneResult, SessionInfo, TurnDelta, TurnResult
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +182,34 @@ class EngineClient:
         """Put a stored session into the engine (its KV, or its history to re-prefill)."""
         return await self._thread.call(self._load, snapshot)
 
+    def stats_blocking(self, timeout: float = 5.0) -> EngineStats | None:
+        """The engine's counters, for a thread other than the event loop's (a metrics scrape): read
+        on the engine thread between two steps. None when the engine thread is not running or does
+        not answer within ``timeout``."""
+        if not self._thread.running:
+            return None
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread.post(self._stats_into, fut)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            return None
+        except Exception:
+            log.exception("reading the engine's counters failed")
+            return None
+
     # --- on the engine thread -------------------------------------------------------------------------
+    def _stats_into(self, fut: concurrent.futures.Future) -> None:
+        eng = self._engine
+        try:
+            by_state: dict[str, int] = {}
+            for chain in eng.chains.chains.values():
+                state = getattr(chain.state, "value", str(chain.state))
+                by_state[state] = by_state.get(state, 0) + 1
+            fut.set_result(EngineStats(counters=dict(eng.stats()), sessions_by_state=by_state))
+        except Exception as e:  # the scraping thread gets it
+            fut.set_exception(e)
+
     def _info(self, key: Hashable) -> SessionInfo:
         return SessionInfo.from_engine(self._engine.session_info(key))
 

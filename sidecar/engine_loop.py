@@ -48,6 +48,11 @@ class EngineLoop:
         self._loop = loop or asyncio.get_running_loop()
         self._thread.start()
 
+    @property
+    def running(self) -> bool:
+        """The thread runs and takes commands (started, not stopped, not failed)."""
+        return self._thread.is_alive() and not self._stop and self.failed is None
+
     def stop(self, timeout: float = 30.0) -> None:
         with self._cv:
             self._stop = True

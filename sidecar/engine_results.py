@@ -168,3 +168,13 @@ class ModelInfo:
     """What KV computed here depends on: a snapshot from another fingerprint is recomputed."""
     prune_roles: tuple[str, ...]
     prune_lag: int | None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's counters (``LLMEngine.stats``: pages, running / waiting requests, totals) and
+    how many sessions it holds in each chain state, read together between two steps."""
+
+    counters: dict[str, int]
+    sessions_by_state: dict[str, int]
+    """idle, active, host, history -> sessions."""

@@ -5,13 +5,21 @@ The defaults do nothing; ``sidecar.metrics.MetricsHooks`` overrides them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import grpc
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 
+if TYPE_CHECKING:  # pragma: no cover
+    from sidecar.engine_client import EngineClient
+
 
 class ServerHooks:
     """Callbacks at interesting points; the defaults do nothing (a metrics exporter overrides them)."""
+
+    def on_start(self, client: "EngineClient") -> None:
+        """The server started; ``client`` is its door to the engine (e.g. to read its counters)."""
 
     def on_rpc(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         pass

@@ -56,6 +56,7 @@ class SidecarServer:
         o = self.options
         self._stopped = asyncio.Event()
         self.client.start(asyncio.get_running_loop())
+        self.hooks.on_start(self.client)
         self.sessions = SessionManager(self.client, self.store, end_of_turn_id=self.renderer.end_of_turn_id,
                                        idempotency_window=o.idempotency_window, resume_wait_s=o.resume_wait_s)
         if self.store is not None:
