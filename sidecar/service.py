@@ -24,7 +24,6 @@ from engine.chain import SessionExists, SessionNotFound
 from engine.methods import REGISTRY as METHODS
 from engine.prune_rule import PruneRuleError, check_policy, check_span
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-from sidecar.chat import ChatRenderer
 from sidecar.endpoint import SERVICE
 from sidecar.engine_client import EngineClient, PruneSpec
 from sidecar.engine_results import SessionInfo
@@ -60,7 +59,7 @@ def _parser(cls):
 class SidecarService:
     """The ``chainkv.v1.Sidecar`` servicer."""
 
-    def __init__(self, *, client: EngineClient, sessions: SessionManager, renderer: ChatRenderer,
+    def __init__(self, *, client: EngineClient, sessions: SessionManager, turns: TurnRunner,
                  options: ServerOptions, hooks: ServerHooks, store: SessionStore | None,
                  mark_dirty: Callable[[str], None], write_now: Callable[[str], Awaitable[None]],
                  draining: Callable[[], bool]):
@@ -72,8 +71,7 @@ class SidecarService:
         self.mark_dirty = mark_dirty
         self.write_now = write_now
         self.draining = draining
-        self.turns = TurnRunner(client, sessions, renderer, limits=options.limits,
-                                tenant_limits=options.tenant_limits, hooks=hooks, mark_dirty=mark_dirty)
+        self.turns = turns
 
     # --- plumbing ------------------------------------------------------------------------------------
     def handlers(self) -> grpc.GenericRpcHandler:

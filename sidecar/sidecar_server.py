@@ -6,9 +6,10 @@
     await server.stop()          # health NOT_SERVING, drain running turns, flush snapshots
 
 It owns one ``EngineClient`` (the engine thread), one ``SessionManager``, the ``SnapshotWriter``
-when there is a store, the ``SidecarService`` and its ``GrpcEndpoint``, and a janitor that frees
-idle sessions whose snapshots are committed. Another front (an HTTP app) serves the same sessions
-by using ``server.client`` and ``server.sessions``.
+when there is a store, the ``TurnRunner``, the ``SidecarService`` and its ``GrpcEndpoint``, and a
+janitor that frees idle sessions whose snapshots are committed. Another front (an HTTP app) serves
+the same sessions in the same process through ``server.turns`` (``TurnRunner.run_args``),
+``server.sessions`` and ``server.client``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from sidecar.service import SidecarService
 from sidecar.sessions import SessionManager
 from sidecar.snapshots import SnapshotWriter
 from sidecar.store import SessionStore
+from sidecar.turns import TurnRunner
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class SidecarServer:
         self._stopped: asyncio.Event | None = None
         self.sessions: SessionManager | None = None
         self.writer: SnapshotWriter | None = None
+        self.turns: TurnRunner | None = None
         self.service: SidecarService | None = None
         self._janitor: asyncio.Task | None = None
 
@@ -64,7 +67,9 @@ class SidecarServer:
                                          max_pending=o.snapshot_queue, retry_max_s=o.snapshot_retry_max_s,
                                          hooks=self.hooks)
             self.writer.start()
-        self.service = SidecarService(client=self.client, sessions=self.sessions, renderer=self.renderer, options=o,
+        self.turns = TurnRunner(self.client, self.sessions, self.renderer, limits=o.limits,
+                                tenant_limits=o.tenant_limits, hooks=self.hooks, mark_dirty=self.mark_dirty)
+        self.service = SidecarService(client=self.client, sessions=self.sessions, turns=self.turns, options=o,
                                       hooks=self.hooks, store=self.store, mark_dirty=self.mark_dirty,
                                       write_now=self.write_now, draining=lambda: self.draining)
         self.port = await self.endpoint.start(self.service.handlers())
@@ -88,7 +93,7 @@ class SidecarServer:
         while self.sessions.active_turns and time.monotonic() < until:
             await asyncio.sleep(0.05)
         await self.endpoint.stop(max(0.0, until - time.monotonic()))
-        await self.service.turns.settle_all()
+        await self.turns.settle_all()
         if self.writer is not None:
             if not await self.writer.flush(self.options.flush_timeout_s):
                 log.warning("shutdown: %d session snapshot(s) not written",

@@ -77,10 +77,16 @@ class TurnRunner:
         """Releases of turns whose callers went away, still running."""
 
     async def run(self, tenant: str, request: pb.TurnRequest, deadline: float | None) -> AsyncIterator[pb.TurnEvent]:
-        """The events of one Turn for ``tenant``; raises what the status mapping turns into a code."""
+        """The events of one Turn RPC for ``tenant``; raises what ``status_for`` turns into a code."""
         args = parse_turn(request, self.limits)
-        args.params.max_tokens = self.tenant_limits.check_max_tokens(tenant, args.params.max_tokens,
-                                                                     request.HasField("max_tokens"))
+        async for event in self.run_args(tenant, args, deadline, max_tokens_given=request.HasField("max_tokens")):
+            yield event
+
+    async def run_args(self, tenant: str, args: TurnArgs, deadline: float | None, *,
+                       max_tokens_given: bool) -> AsyncIterator[pb.TurnEvent]:
+        """One turn from already-checked arguments (any front: gRPC, HTTP): text and token deltas,
+        tool calls, then the completion, as ``chainkv.v1.TurnEvent`` messages."""
+        args.params.max_tokens = self.tenant_limits.check_max_tokens(tenant, args.params.max_tokens, max_tokens_given)
         key = scoped_key(tenant, args.session_id)
         self.check_quota(tenant, key)
         s = await self.sessions.get_settled(key, create=True, expected_turn_index=args.expected_turn_index,
