@@ -87,9 +87,10 @@ class TurnStream:
         self.result: TurnResult | None = None
         self._queue: asyncio.Queue = asyncio.Queue()
         self._loop = loop
-        self._prunes_before = 0
+        self.prunes_before = 0
+        """The session's prune log length before the turn (its new entries are the turn's)."""
 
-    def _put(self, item: tuple[TurnDelta, TurnResult | None] | BaseException) -> None:
+    def push(self, item: tuple[TurnDelta, TurnResult | None] | BaseException) -> None:
         """Called on the engine thread: hand ``item`` to the event loop (never blocks the engine)."""
         self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
@@ -216,7 +217,7 @@ class EngineClient:
     def _start_turn(self, key: str, turn: EngineTurn, stream: TurnStream) -> None:
         eng = self._engine
         if not turn.new_session:
-            stream._prunes_before = len(eng.session_info(key)["prune_log"])
+            stream.prunes_before = len(eng.session_info(key)["prune_log"])
         eng.add_turn(key, turn.token_ids, turn.params, spans=turn.spans, method=turn.method,
                      expected_turn_index=turn.expected_turn_index,
                      shared_prefix=turn.shared_prefix if turn.new_session else 0)
@@ -225,7 +226,7 @@ class EngineClient:
     def _deliver(self, stream: TurnStream, out: RequestOutput | BaseException) -> None:
         """The engine loop's sink for ``stream``: one output, converted here, on the engine thread."""
         if isinstance(out, BaseException):
-            stream._put(out)
+            stream.push(out)
             return
         delta = TurnDelta(text=out.new_text, token_ids=tuple(out.new_token_ids), last=out.finished)
         result = None
@@ -239,8 +240,8 @@ class EngineClient:
                 prompt_tokens=stream.prompt_tokens, reused_tokens=out.counters.reused_tokens,
                 prefilled_tokens=out.counters.prefilled_tokens, time_to_first_token=out.time_to_first_token,
                 source_tier=out.source_tier, session=info,
-                new_prunes=info.prune_log[stream._prunes_before:] if info is not None else ())
-        stream._put((delta, result))
+                new_prunes=info.prune_log[stream.prunes_before:] if info is not None else ())
+        stream.push((delta, result))
 
     def _release_turn(self, key: str) -> SessionInfo | None:
         eng = self._engine

@@ -18,7 +18,7 @@ from engine.prune_rule import PruneRuleError
 from engine.sampling import SamplingError
 from sidecar.auth import Unauthenticated
 from sidecar.chat import ChatError
-from sidecar.engine_loop import EngineFailed
+from sidecar.engine_client import EngineFailed
 from sidecar.integrity import SnapshotRejected
 from sidecar.limits import QuotaExceeded, TurnTooLarge
 from sidecar.protocol import InvalidRequest
