@@ -35,7 +35,7 @@ from engine.cache.snapshot import SessionSnapshot
 from engine.chain import SessionNotFound
 from engine.lifecycle import MethodSpec
 from engine.llm import LLMEngine
-from engine.prune_rule import check_span, due_spans
+from engine.prune_rule import check_policy, check_span, due_spans
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
 from sidecar.engine_loop import EngineFailed, EngineLoop
@@ -272,6 +272,7 @@ class EngineClient:
         return self._info(snapshot.meta["session_id"])
 
     def _prune(self, key: str, spec: PruneSpec) -> PruneResult:
+        check_policy(spec.policy, spec.keep_ratio, spec.scope)  # also when the rule selects no span
         info = self._info(key)
         if spec.span is not None:
             check_span(*spec.span, info.num_tokens)
