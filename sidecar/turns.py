@@ -119,8 +119,6 @@ class TurnRunner:
         finally:
             if state.finished:
                 self.sessions.end_turn(s, running, state.completion)
-            elif not state.running.settling:  # ended without an exception (a closed generator)
-                self._release_later(state)
 
     def check_quota(self, tenant: str, key: str) -> None:
         """A request that would hold one more session of ``tenant`` here: within its quota?"""
