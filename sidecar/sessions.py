@@ -1,7 +1,7 @@
 """SessionManager: session id -> the engine's chain, per-session ordering, idempotency, the store.
 
-Session keys. A client's session id (1-128 characters of ``[A-Za-z0-9._:@+=~-]``: no braces, so it
-cannot break the Redis hash tag, and no ``/``) is scoped by its tenant: the engine and the store
+Session keys. A client's session id (1-128 characters of ``[A-Za-z0-9._:@+=~-]``, not only dots: no
+braces, so it cannot break the Redis hash tag, and no ``/``) is scoped by its tenant: the engine and the store
 see ``<tenant>/<session id>``, or the bare id when auth is off. Tenants never see each other's
 sessions.
 
@@ -30,12 +30,12 @@ import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from engine.chain import SessionBusy, SessionError, SessionNotFound, TurnIndexMismatch
 from engine.lifecycle import MethodError
 from sidecar.snapshots import join_snapshot
-from sidecar.store import SessionStore, StoreUnavailable
+from sidecar.store import SessionStore, StoreError, StoreUnavailable
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.engine_loop import EngineLoop
@@ -61,6 +61,8 @@ def check_id(value: str, what: str = "session_id") -> str:
         raise BadSessionId(f"{what} is {len(value)} characters long; at most {MAX_ID_LEN}")
     if not SESSION_ID_RE.fullmatch(value):
         raise BadSessionId(f"{what} {value!r} has characters outside [A-Za-z0-9._:@+=~-]")
+    if not value.strip("."):
+        raise BadSessionId(f"{what} {value!r} is only dots (it would name a folder such as . or ..)")
     return value
 
 
@@ -142,6 +144,9 @@ class SessionManager:
         self._sessions: dict[str, Session] = {}
         self._load_locks: "weakref.WeakValueDictionary[str, asyncio.Lock]" = weakref.WeakValueDictionary()
         self.loads = {"store": 0, "recompute": 0}
+        self.on_store_behind: Callable[[str], None] | None = None
+        """Called with a session's key when the store turns out to hold less than this replica
+        committed for it (the snapshot writer rewrites it)."""
 
     # --- lookup -----------------------------------------------------------------------------------
     def local(self, key: str) -> Session | None:
@@ -155,10 +160,11 @@ class SessionManager:
         return sum(1 for s in self._sessions.values() if s.busy)
 
     async def get(self, key: str, *, create: bool, expected_turn_index: int | None = None,
-                  deadline: float | None = None) -> Session:
+                  deadline: float | None = None, request_id: str = "") -> Session:
         """The session, from this replica or the store; a fresh (not yet started) one when it
         exists nowhere and ``create``. Raises SessionNotFound, StoreUnavailable (StoreBehind),
-        TurnIndexMismatch."""
+        TurnIndexMismatch. ``request_id``: a retry whose turn the store already recorded is served
+        from the store even though its ``expected_turn_index`` is behind (the reply is replayed)."""
         s = self._sessions.get(key)
         if s is not None and self._usable(s, expected_turn_index):
             return s
@@ -171,10 +177,10 @@ class SessionManager:
                 return s
             if self.store is None:
                 return self._new_or_missing(key, create)
-            stored = await self._fetch(key, expected_turn_index, deadline, local=s)
+            stored = await self._fetch(key, expected_turn_index, deadline, local=s, request_id=request_id)
+            if s is not None and s.in_engine and not s.stale and self._store_behind(s, stored):
+                return s  # this replica holds more than the store: keep it (the store is rewritten)
             if stored is None:
-                if s is not None and s.in_engine and not s.stale:
-                    return s  # the store has no copy yet (its first snapshot is on its way)
                 if s is not None:
                     await self._drop_local(s)
                 return self._new_or_missing(key, create)
@@ -185,6 +191,22 @@ class SessionManager:
                     raise SessionBusy(f"a turn is already running on session {key!r}")
                 await self._drop_local(s)
             return await self._load(key)
+
+    def _store_behind(self, s: Session, stored) -> bool:
+        """The store holds less than this replica committed for ``s`` (it lost or rolled back data):
+        note it, so the writer rewrites the store from this copy. True also when nothing was committed
+        yet (the first snapshot is on its way)."""
+        have = stored.generation if stored is not None else None
+        if s.committed_generation is None:
+            return stored is None
+        if have is not None and have >= s.committed_generation:
+            return False
+        log.warning("session %s: the store holds generation %s, this replica committed %s; rewriting it",
+                    s.key, have, s.committed_generation)
+        s.committed_generation = have
+        if self.on_store_behind is not None:
+            self.on_store_behind(s.key)
+        return True
 
     def _usable(self, s: Session, expected: int | None) -> bool:
         if s.busy:
@@ -203,7 +225,8 @@ class SessionManager:
         self._sessions[key] = s
         return s
 
-    async def _fetch(self, key: str, expected: int | None, deadline: float | None, local: Session | None):
+    async def _fetch(self, key: str, expected: int | None, deadline: float | None, local: Session | None,
+                     request_id: str = ""):
         """The committed record (no KV yet), waiting for ``expected`` while the store is behind."""
         wait_until = time.monotonic() + self.resume_wait_s
         if deadline is not None:
@@ -214,6 +237,8 @@ class SessionManager:
             if expected is None or expected == 0 and stored is None:
                 return stored
             have = stored.turn_index if stored is not None else None
+            if have is not None and have > expected and request_id and recorded_in(stored.app, request_id):
+                return stored  # a retry of a turn the store recorded: its reply is replayed
             if have is not None and have > expected:
                 raise TurnIndexMismatch(f"session {key.split('/')[-1]!r} is at turn {have}, not {expected}")
             if have == expected:
@@ -331,9 +356,23 @@ class SessionManager:
         now = time.monotonic()
         victims = [s for s in self._sessions.values()
                    if s.in_engine and not s.busy and not s.snapshot_pending and now - s.last_used > idle_s]
+        freed = 0
         for s in victims:
+            try:  # free it only if the store still holds what this replica committed
+                stored = await asyncio.to_thread(self.store.load, s.key, False)
+            except StoreError as e:
+                log.warning("session %s kept here: its stored copy cannot be checked (%s)", s.key, e)
+                continue
+            if s.busy or s.stale or self._sessions.get(s.key) is not s or self._store_behind(s, stored):
+                continue
             await self._drop_local(s)
-        return len(victims)
+            freed += 1
+        return freed
+
+
+def recorded_in(app: dict[str, Any], request_id: str) -> bool:
+    """Does a stored session's sidecar metadata record a finished turn under ``request_id``?"""
+    return any(rid == request_id for rid, *_ in app.get("requests", []))
 
 
 __all__ = ["BadSessionId", "Running", "Session", "SessionError", "SessionManager", "StoreBehind", "check_id",
