@@ -125,7 +125,7 @@ class LLMEngine:
         self.scheduler.chains = self.chains
         self._inflight = None  # a launched decode step whose tokens are not read yet (see step)
         self.totals = {"decoded_tokens": 0, "finished_stop": 0, "finished_length": 0, "finished_abort": 0,
-                       "finished_error": 0}
+                       "finished_error": 0, "finished_failed": 0}
         """Engine-wide counters since start (stats() reports them)."""
 
     # --- setup ---------------------------------------------------------------------------------
@@ -231,19 +231,21 @@ class LLMEngine:
     def add_turn(self, session_id: Hashable, tokens: list[int], params: SamplingParams | None = None, *,
                  role: str = "user", spans: list[tuple[int, int, str]] | None = None, method: MethodSpec | None = None,
                  expected_turn_index: int | None = None, history: list[int] | None = None,
-                 shared_prefix: int = 0) -> Hashable:
+                 shared_prefix: int = 0, prefix_scope: str = "") -> Hashable:
         """Run one turn of a session: ``tokens`` are appended to its history and only they are
         prefilled, attending to the session's cached (possibly compressed) KV. Creates the session
         on its first turn. ``history`` instead of ``tokens`` gives the whole history, which must
         extend the session's. ``shared_prefix``: how many leading tokens of a first turn are a
-        prompt other sessions share (stored once). Outputs carry the request id ``session_id``."""
+        prompt other sessions share (stored once); ``prefix_scope``: who it is shared with (sessions
+        of one scope, e.g. a tenant, reuse each other's prefixes only; "" is every caller's).
+        Outputs carry the request id ``session_id``."""
         params = params or SamplingParams()
         if session_id in self._seqs and session_id not in self.chains.chains:
             raise RequestError(f"id {session_id!r} is in use by a one-shot request")
         try:
             seq = self.chains.start_turn(session_id, list(tokens), params, role=role, spans=spans, method=method,
                                          expected_turn_index=expected_turn_index, history=history,
-                                         shared_prefix=shared_prefix)
+                                         shared_prefix=shared_prefix, prefix_scope=prefix_scope)
         except CapacityError:
             raise
         except RequestError as e:
@@ -349,13 +351,23 @@ class LLMEngine:
                     self.runner.scoring_pass(seq, self.tokenizer, self.config.prefill_chunk_size)
             for sid, rows in result.prompt_logits.items():
                 self._seqs[sid].prompt_logits.append(rows.cpu())
-            tokens = sample(result.logits, [s.params for s in result.sampling], [s.generator for s in result.sampling])
+            tokens, errors = sample(result.logits, [s.params for s in result.sampling],
+                                    [s.generator for s in result.sampling])
             now = time.monotonic()
-            for seq, tok, row in zip(result.sampling, tokens, result.logits):
-                if seq.params.return_logits:
-                    seq.step_logits.append(row.cpu())
-                self._append_token(seq, tok, now)
+            for seq, tok, err, row in zip(result.sampling, tokens, errors, result.logits):
                 touched.append(seq)
+                if err is None:
+                    try:
+                        if seq.params.return_logits:
+                            seq.step_logits.append(row.cpu())
+                        self._append_token(seq, tok, now)
+                        continue
+                    except Exception as e:  # detokenizing or stop checks of this sequence
+                        err = f"processing the sampled token failed: {e!r}"
+                if not seq.finished:
+                    log.error("request %r failed: %s", seq.seq_id, err)
+                    seq.error = err
+                    self._finish(seq, "failed")
         return [self._output(s) for s in touched]
 
     def _overlap_ok(self) -> bool:
@@ -412,7 +424,7 @@ class LLMEngine:
         self.totals[f"finished_{reason}"] += 1
         self.scheduler.remove(seq)
         if seq.seq_id in self.chains.chains:  # a session keeps its chain
-            if reason == "abort":
+            if reason in ("abort", "failed"):  # failed: this request alone broke; the turn is rolled back
                 self.chains.abort_turn(seq)
             elif reason == "error":
                 self.chains.fail_turn(seq)

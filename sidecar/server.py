@@ -53,8 +53,9 @@ from sidecar.protocol import (FINISH, TIERS, InvalidRequest, Limits, parse_turn,
                               stored_session_proto, tool_call_proto)
 from sidecar.sessions import BadSessionId, Session, SessionManager, check_id, scoped_key
 from sidecar.snapshots import SnapshotWriter
-from sidecar.store import SessionStore, StoreUnavailable
+from sidecar.store import SessionStore, SnapshotRolledBack, StoreUnavailable
 from sidecar.tool_calls import ToolCallParser
+from sidecar.validation import BYTES_PER_TOKEN, check_same_request, request_digest
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,10 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Sidecar"].full_name  # "chainkv.v1.Sid
 
 class Draining(RuntimeError):
     """The server is shutting down (UNAVAILABLE: retry on another replica)."""
+
+
+class SequenceFailed(RuntimeError):
+    """The engine failed this turn alone (its sampling or token processing raised); INTERNAL."""
 
 
 class TurnAborted(RuntimeError):
@@ -95,6 +100,9 @@ class ServerOptions:
     auth: Authenticator = field(default_factory=Authenticator)
     tenant_limits: TenantLimits = field(default_factory=TenantLimits)
     """Per-tenant quotas: live sessions, tokens per turn (sidecar/limits.py)."""
+    durability: str = "async"
+    """async: a turn's completion is sent at once, its snapshot written behind it; sync: only after
+    its snapshot commits (a turn a client saw survives a crash of this replica)."""
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
@@ -123,7 +131,7 @@ class ServerHooks:
 _CODES: list[tuple[type[BaseException] | tuple, grpc.StatusCode]] = [
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (QuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (SnapshotRejected, grpc.StatusCode.DATA_LOSS),
+    ((SnapshotRejected, SnapshotRolledBack), grpc.StatusCode.DATA_LOSS),
     ((InvalidRequest, TurnTooLarge, BadSessionId, ChatError, MethodError, SamplingError, ConfigError, ContextFull),
      grpc.StatusCode.INVALID_ARGUMENT),
     (SessionNotFound, grpc.StatusCode.NOT_FOUND),
@@ -245,14 +253,16 @@ class SidecarService:
         key = scoped_key(tenant, args.session_id)
         self._check_quota(tenant, key)
         s = await self.sessions.get(key, create=True, expected_turn_index=args.expected_turn_index,
-                                    deadline=self._deadline(context))
+                                    deadline=self._deadline(context), request_id=args.request_id)
+        digest = request_digest(request)
         if args.request_id:
+            check_same_request(s, args.request_id, digest)
             recorded = await self._recorded(s, args.request_id)
             if recorded is not None:
                 for event in replay_events(recorded):
                     yield event
                 return
-        running = self.sessions.begin_turn(s, args.request_id)
+        running = self.sessions.begin_turn(s, args.request_id, digest)
         if not s.in_engine:  # a new session: recheck the quota now that it is taken (no await since)
             try:
                 limits.check_new_session(tenant, self.sessions.all(), exclude=key)
@@ -261,7 +271,7 @@ class SidecarService:
                 raise
         state: dict[str, Any] = {"finished": False, "completion": None, "t0": time.monotonic()}
         try:
-            async for event in self._run_turn(s, key, args, state):
+            async for event in self._run_turn(s, key, args, state, running):
                 yield event
         finally:
             if state["finished"]:
@@ -279,7 +289,7 @@ class SidecarService:
             return result
         return None
 
-    async def _run_turn(self, s: Session, key: str, args, state: dict):
+    async def _run_turn(self, s: Session, key: str, args, state: dict, running=None):
         eng, new = self.engine, not s.in_engine
         digest = tools_digest(args.tools)
         if not new and args.tools and digest != s.tools_digest:
@@ -306,7 +316,8 @@ class SidecarService:
             before = len(eng.session_info(key)["prune_log"]) if not new else 0
             eng.add_turn(key, rendered.token_ids, args.params, spans=rendered.spans, method=args.method,
                          expected_turn_index=args.expected_turn_index,
-                         shared_prefix=rendered.shared_prefix if new else 0)
+                         shared_prefix=rendered.shared_prefix if new else 0,
+                         prefix_scope="" if args.public_prefix else f"tenant:{TenantLimits.tenant_of(key)}")
             self.loop_.register(key, sink)
             return before
 
@@ -345,6 +356,8 @@ class SidecarService:
             raise TurnAborted("the turn was stopped (the session was ended)")
         if out.finish_reason == "error":
             raise CapacityError(out.error or "the KV pool could not hold the turn")
+        if out.finish_reason == "failed":
+            raise SequenceFailed(f"the turn failed and was rolled back: {out.error}")
         new_prunes = info["prune_log"][prunes_before:] if info else []
         usage = pb.Usage(prompt_tokens=len(rendered.token_ids), reused_tokens=out.counters.reused_tokens,
                          prefilled_tokens=out.counters.prefilled_tokens,
@@ -362,6 +375,8 @@ class SidecarService:
         if info:
             s.update(info, self.sessions.end_of_turn_id)
         state["finished"], state["completion"] = True, completion.SerializeToString()
+        if self.opts.durability == "sync" and running is not None:
+            await self.srv.commit_turn(s, running, state["completion"])
         self.srv.mark_dirty(key)
         self.hooks.on_turn(completion, time.monotonic() - state["t0"])
         yield pb.TurnEvent(completion=completion)
@@ -589,6 +604,8 @@ class SidecarServer:
     # --- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> int:
         o = self.options
+        if o.limits.max_turn_bytes is None:
+            o.limits.max_turn_bytes = BYTES_PER_TOKEN * self.engine.max_model_len
         self._stopped = asyncio.Event()
         self.engine_loop = EngineLoop(self.engine, on_failure=self._engine_failed)
         self.engine_loop.start(asyncio.get_running_loop())
@@ -667,6 +684,16 @@ class SidecarServer:
     def mark_dirty(self, key: str) -> None:
         if self.writer is not None:
             self.writer.mark_dirty(key)
+
+    async def commit_turn(self, s: Session, running, completion: bytes) -> None:
+        """durability sync: record the turn and write its snapshot before its completion is sent."""
+        if self.writer is None:
+            return
+        self.sessions.record(s, running, completion)
+        await self.writer.write(s.key)
+        if s.snapshot_pending:
+            raise StoreUnavailable(f"the turn finished but its snapshot was not written ({s.snapshot_error}); "
+                                   f"retry with the same request_id")
 
     async def write_now(self, key: str) -> None:
         if self.writer is not None:

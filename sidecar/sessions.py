@@ -79,6 +79,8 @@ class Running:
     request_id: str
     done: asyncio.Future
     """Resolves to the recorded completion bytes, or None when the turn did not finish."""
+    digest: str = ""
+    """The request's content digest (sidecar.validation.request_digest)."""
 
 
 @dataclass
@@ -99,6 +101,8 @@ class Session:
     ends_with_eot: bool = False
     """The history ends with the end-of-turn token (the last reply closed its turn)."""
     records: "OrderedDict[str, bytes]" = field(default_factory=OrderedDict)
+    request_digests: dict[str, str] = field(default_factory=dict)
+    """request_id -> the digest of the request it named (a reuse for other content is refused)."""
     running: Running | None = None
     created_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
@@ -118,12 +122,15 @@ class Session:
     def app_meta(self) -> dict[str, Any]:
         """What the sidecar keeps about the session beside the engine's record."""
         return {"tools_digest": self.tools_digest, "created_at": self.created_at,
-                "requests": [[rid, blob] for rid, blob in self.records.items()]}
+                "requests": [[rid, blob] for rid, blob in self.records.items()],
+                "request_digests": {rid: self.request_digests[rid] for rid in self.records if rid in self.request_digests}}
 
     def load_app_meta(self, app: dict[str, Any]) -> None:
         self.tools_digest = app.get("tools_digest", "")
         self.created_at = app.get("created_at", self.created_at)
         self.records = OrderedDict((rid, bytes(blob)) for rid, blob in app.get("requests", []))
+        digests = app.get("request_digests") or {}
+        self.request_digests = {str(k): str(v) for k, v in digests.items()} if isinstance(digests, dict) else {}
 
     def update(self, info: dict[str, Any], end_of_turn_id: int | None) -> None:
         """Refresh from the engine's ``session_info``."""
@@ -298,19 +305,28 @@ class SessionManager:
         return s
 
     # --- turns ----------------------------------------------------------------------------------------
-    def begin_turn(self, s: Session, request_id: str) -> Running:
+    def begin_turn(self, s: Session, request_id: str, digest: str = "") -> Running:
         if s.busy:
             raise SessionBusy(f"a turn is already running on session {s.key.split('/')[-1]!r}")
         if s.ended:
             raise SessionNotFound(f"session {s.key.split('/')[-1]!r} was ended")
-        s.running = Running(request_id, asyncio.get_running_loop().create_future())
+        s.running = Running(request_id, asyncio.get_running_loop().create_future(), digest)
         return s.running
 
+    def record(self, s: Session, running: Running, completion: bytes) -> None:
+        """Remember a finished turn's completion under its request_id (the last ``idempotency_window``)."""
+        if not running.request_id:
+            return
+        s.records[running.request_id] = completion
+        if running.digest:
+            s.request_digests[running.request_id] = running.digest
+        while len(s.records) > self.idempotency_window:
+            rid, _ = s.records.popitem(last=False)
+            s.request_digests.pop(rid, None)
+
     def end_turn(self, s: Session, running: Running, completion: bytes | None) -> None:
-        if completion is not None and running.request_id:
-            s.records[running.request_id] = completion
-            while len(s.records) > self.idempotency_window:
-                s.records.popitem(last=False)
+        if completion is not None:
+            self.record(s, running, completion)
         if not running.done.done():
             running.done.set_result(completion)
         if s.running is running:
