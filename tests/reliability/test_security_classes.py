@@ -126,3 +126,53 @@ def test_every_rolled_back_signed_record_is_refused(kind, tmp_path, redis_proc, 
         refused += 1
     reliability_report["tampering"].append({"attack": f"validly signed older record put back ({kind} store)",
                                             "attempts": n - 1, "refused": refused, "served": n - 1 - refused})
+
+
+def test_fuzzed_sampling_fields_never_stop_the_replica(smol_engine, reliability_report):
+    """Turns with hypothesis-drawn sampling fields (NaN, infinities, denormals, 1e-40, huge, negative):
+    each ends OK or INVALID_ARGUMENT, the engine thread never stops and health stays SERVING."""
+    import grpc
+
+    from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
+    from sidecar.server import ServerOptions, ServerThread
+    from tests.sidecar_proc import serving
+
+    srv = ServerThread(smol_engine, ServerOptions(port=0), None)
+    port = srv.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = sidecar_pb2_grpc.SidecarStub(channel)
+    codes: dict[str, int] = {}
+    floats = st.one_of(st.floats(0, 2), st.floats(allow_nan=True, allow_infinity=True),
+                       st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e-40, 5e-324, 1e-300, 1e300, -1.0,
+                                        0.0, 1e-5, 0.7, 2.0, 100.0]))
+    n = {"i": 0}
+
+    @settings(max_examples=int(os.environ.get("CHAINKV_FUZZ_EXAMPLES", "0")) or 40, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(temperature=floats, top_p=st.one_of(st.floats(0.05, 1), floats),
+           top_k=st.one_of(st.integers(0, 100), st.integers(-2**31, 2**31 - 1)),
+           seed=st.one_of(st.none(), st.integers(-2**63, 2**63 - 1)),
+           stop=st.one_of(st.lists(st.text(min_size=1, max_size=8), max_size=2), st.lists(st.text(max_size=300), max_size=20)))
+    def check(temperature, top_p, top_k, seed, stop):
+        n["i"] += 1
+        kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, max_tokens=2)
+        if seed is not None:
+            kw["seed"] = seed
+        req = request(f"fz-{n['i']}", [("user", "Say hi.")], **kw)
+        try:
+            list(stub.Turn(req))
+            code = "OK"
+        except grpc.RpcError as e:
+            code = e.code().name
+        codes[code] = codes.get(code, 0) + 1
+        assert code in ("OK", "INVALID_ARGUMENT"), code
+
+    try:
+        check()
+        assert serving(channel) and srv.server.engine_loop.failed is None
+    finally:
+        channel.close()
+        srv.stop(grace=2)
+        for sid in list(smol_engine.chains.chains):
+            smol_engine.end_session(sid)
+    reliability_report["fuzz"]["Turn(sampling fields)"] = {"inputs": n["i"], "crashes": 0, "codes": codes}
