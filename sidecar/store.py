@@ -463,6 +463,30 @@ class DirectoryStore(SessionStore):
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise StoreUnavailable(f"cannot create the session folder {self.root}: {e}") from None
+        self.migrated = self._migrate_quoted_folders()
+
+    def _migrate_quoted_folders(self) -> int:
+        """Move sessions an earlier version stored under ``<root>/<quoted key>`` to their hashed folder
+        (their checksums and HMACs bind the key, not the path, so they stay valid). Returns how many."""
+        moved = 0
+        try:
+            entries = list(self.root.iterdir())
+        except OSError:
+            return 0
+        for d in entries:
+            if OWN_FOLDER_RE.fullmatch(d.name) or d.is_symlink() or not d.is_dir() or not (d / "meta").is_file():
+                continue
+            key = urllib.parse.unquote(d.name)
+            if urllib.parse.quote(key, safe="") != d.name:
+                continue  # not a name this store ever made
+            target = self.folder(key)
+            try:
+                if not target.exists():
+                    os.rename(d, target)
+                    moved += 1
+            except OSError:
+                continue
+        return moved
 
     def describe(self) -> str:
         return f"directory {self.root}"

@@ -253,3 +253,19 @@ def test_a_newer_replica_marks_the_local_copy_stale(store):
     asyncio.run(writer.write(key))
     assert s.stale and "generation 3" in s.snapshot_error and writer.rewrites == 0
     assert store.load(key, with_kv=False).app == record(key, 3).app  # the other replica's commit stands
+
+
+def test_sessions_of_the_quoted_layout_are_moved_to_their_hashed_folder(tmp_path):
+    import urllib.parse
+
+    root = tmp_path / "root"
+    old = DirectoryStore(root)
+    old.save("t/s.1", record("t/s.1", 1, blob=os.urandom(300)), None)
+    legacy = root / urllib.parse.quote("t/s.1", safe="")
+    old.folder("t/s.1").rename(legacy)  # as an earlier version laid it out
+    (root / "not-a-session").mkdir()
+    store = DirectoryStore(root)
+    assert store.migrated == 1 and not legacy.exists()
+    got = store.load("t/s.1")
+    assert got.generation == 1 and got.kv is not None and got.kv_error is None
+    assert (root / "not-a-session").is_dir()
