@@ -91,11 +91,12 @@ def check_turn_bytes(request, max_bytes: int) -> None:
 
 
 def request_digest(request) -> str:
-    """A digest of everything a Turn asks for except its ids (a retry must match it)."""
+    """A digest of everything a Turn asks for except its ids and its precondition (a retry must match it)."""
     copy = type(request)()
     copy.CopyFrom(request)
     copy.session_id = ""
     copy.request_id = ""
+    copy.ClearField("expected_turn_index")
     return hashlib.sha256(copy.SerializeToString(deterministic=True)).hexdigest()
 
 
