@@ -116,14 +116,14 @@ def test_a_failure_in_one_sequences_sampling_leaves_the_others_running(tiny_engi
 
 def test_a_failure_processing_one_sequences_token_fails_it_alone(tiny_engine_config, monkeypatch):
     eng = LLMEngine(tiny_engine_config)
-    real = eng._append_token
+    real = eng.loop._append_token
 
     def faulty(seq, token, now, at=None):
         if seq.seq_id == "bad":
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
         return real(seq, token, now, at=at)
 
-    monkeypatch.setattr(eng, "_append_token", faulty)
+    monkeypatch.setattr(eng.loop, "_append_token", faulty)
     outs = _run_together(eng, {"bad": (list(range(5, 30)), SamplingParams(max_tokens=4)),
                                "good": (list(range(7, 33)), SamplingParams(max_tokens=4))})
     assert outs["bad"].finish_reason == "failed" and outs["good"].finish_reason in ("stop", "length")
