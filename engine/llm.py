@@ -150,7 +150,7 @@ class LLMEngine:
     def add_turn(self, session_id: Hashable, tokens: list[int], params: SamplingParams | None = None, *,
                  role: str = "user", spans: list[tuple[int, int, str]] | None = None, method: MethodSpec | None = None,
                  expected_turn_index: int | None = None, history: list[int] | None = None,
-                 shared_prefix: int = 0) -> Hashable:
+                 shared_prefix: int = 0, prefix_scope: str = "") -> Hashable:
         """Run one turn of a session: ``tokens`` are appended to its history and only they are
         prefilled, attending to the session's cached (possibly compressed) KV. Creates the session
         on its first turn. ``history`` instead of ``tokens`` gives the whole history, which must
@@ -162,7 +162,7 @@ class LLMEngine:
         try:
             seq = self.chains.start_turn(session_id, list(tokens), params, role=role, spans=spans, method=method,
                                          expected_turn_index=expected_turn_index, history=history,
-                                         shared_prefix=shared_prefix)
+                                         shared_prefix=shared_prefix, prefix_scope=prefix_scope)
         except CapacityError:
             raise
         except RequestError as e:

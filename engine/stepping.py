@@ -12,6 +12,7 @@ Any other step first completes the step in flight.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Hashable
 
@@ -21,6 +22,8 @@ from engine.runner import InFlight, ModelRunner
 from engine.sampling import sample
 from engine.scheduler import Scheduler
 from engine.sequence import PENDING, RequestOutput, Sequence, SeqStatus
+
+log = logging.getLogger(__name__)
 
 
 class StepLoop:
@@ -40,7 +43,7 @@ class StepLoop:
         self.inflight: InFlight | None = None
         """A launched decode step whose tokens are not read yet."""
         self.totals = {"decoded_tokens": 0, "finished_stop": 0, "finished_length": 0, "finished_abort": 0,
-                       "finished_error": 0}
+                       "finished_error": 0, "finished_failed": 0}
         """Engine-wide counters since start."""
 
     def has_unfinished(self) -> bool:
@@ -82,13 +85,23 @@ class StepLoop:
                     self.runner.scoring_pass(seq, self.tokenizer, self.config.prefill_chunk_size)
             for sid, rows in result.prompt_logits.items():
                 self.seqs[sid].prompt_logits.append(rows.cpu())
-            tokens = sample(result.logits, [s.params for s in result.sampling], [s.generator for s in result.sampling])
+            tokens, errors = sample(result.logits, [s.params for s in result.sampling],
+                                    [s.generator for s in result.sampling])
             now = time.monotonic()
-            for seq, tok, row in zip(result.sampling, tokens, result.logits):
-                if seq.params.return_logits:
-                    seq.step_logits.append(row.cpu())
-                self._append_token(seq, tok, now)
+            for seq, tok, err, row in zip(result.sampling, tokens, errors, result.logits):
                 touched.append(seq)
+                if err is None:
+                    try:
+                        if seq.params.return_logits:
+                            seq.step_logits.append(row.cpu())
+                        self._append_token(seq, tok, now)
+                        continue
+                    except Exception as e:  # detokenizing or stop checks of this sequence
+                        err = f"processing the sampled token failed: {e!r}"
+                if not seq.finished:  # this request alone fails; the engine steps on for the others
+                    log.error("request %r failed: %s", seq.seq_id, err)
+                    seq.error = err
+                    self.finish(seq, "failed")
         return [self.output(s) for s in touched]
 
     def _overlap_ok(self) -> bool:
@@ -147,7 +160,7 @@ class StepLoop:
         self.totals[f"finished_{reason}"] += 1
         self.scheduler.remove(seq)
         if seq.seq_id in self.chains.chains:  # a session keeps its chain
-            if reason == "abort":
+            if reason in ("abort", "failed"):  # failed: this request alone broke; the turn is rolled back
                 self.chains.abort_turn(seq)
             elif reason == "error":
                 self.chains.fail_turn(seq)

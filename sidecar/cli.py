@@ -67,7 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one object per line")
     g.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics on this port (0 picks one); unset: no metrics")
-    g.add_argument("--metrics-host", default="0.0.0.0", help="address of the metrics port")
+    g.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the metrics port (like --host: 0.0.0.0 for every interface)")
+    g.add_argument("--durability", default="async", choices=["async", "sync"],
+                   help="async: a turn's completion is sent at once and its snapshot written behind it; sync: "
+                        "only after its snapshot commits (no acknowledged turn is lost if this replica dies)")
     g.add_argument("--snapshot-hmac-key-file", default=None, metavar="FILE",
                    help="sign stored sessions with HMAC-SHA256 and refuse any that fail it (one key per line; "
                         "the first signs, all verify)")
@@ -123,10 +127,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         options = ServerOptions(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
                                 limits=Limits(default_max_tokens=args.default_max_tokens), snapshot_kv=args.snapshot_kv,
                                 session_idle_s=args.session_idle_s, grace_s=args.grace_s, auth=auth,
+                                durability=args.durability,
                                 tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                                 tenant_limits=TenantLimits(args.max_sessions_per_tenant, args.max_tokens_per_turn,
                                                            TenantLimits.parse_overrides(args.tenant_limit)))
         store = open_store(args.store, ttl_s=args.store_ttl, hmac_keys=load_keys(args.snapshot_hmac_key_file))
+        check_port_free(args.host, args.port)
     except (ValueError, OSError, StoreError) as e:
         print(f"chainkv: {e}", file=sys.stderr)
         return 2
@@ -151,11 +157,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-        print("chainkv: shutting down: draining turns, writing snapshots", flush=True)
+        turns = server.sessions.active_turns
+        pending = server.writer.pending if server.writer is not None else 0
+        writes = server.writer.writes if server.writer is not None else 0
+        print(f"chainkv: shutting down: draining {turns} running turn(s), writing {pending} pending snapshot(s)",
+              flush=True)
         await server.stop()
+        written = (server.writer.writes - writes) if server.writer is not None else 0
+        left = sum(s.snapshot_pending for s in server.sessions.all()) if server.store is not None else 0
+        print(f"chainkv: drained {turns - server.sessions.active_turns} turn(s); wrote {written} snapshot(s)"
+              + (f"; {left} snapshot(s) NOT written" if left else ""), flush=True)
 
     asyncio.run(main())
+    print("chainkv: stopped", flush=True)
     return 0
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise OSError when ``host:port`` cannot be bound (checked before the model is loaded)."""
+    import socket
+
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -169,6 +198,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.sampling import SamplingError, SamplingParams
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        print("chainkv: the prompt is empty", file=sys.stderr)
+        return 2
     try:
         config = engine_config_from_args(args)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -196,7 +228,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(out.new_text, end="", flush=True)
             if out.finished:
                 final = out
-    if final.finish_reason == "error":
+    if final.finish_reason in ("error", "failed"):
         print(f"chainkv: {final.error}", file=sys.stderr)
         return 1
     if args.json:

@@ -60,6 +60,9 @@ class EngineTurn:
     shared_prefix: int = 0
     """How many leading tokens of a first turn are a prompt other sessions share."""
     new_session: bool = False
+    prefix_scope: str = ""
+    """Who may share this session's prompt prefix: its tenant by default ("tenant:<name>"); "" for a
+    prefix the request declared public."""
 
 
 @dataclass(frozen=True)
@@ -220,7 +223,7 @@ class EngineClient:
             stream.prunes_before = len(eng.session_info(key)["prune_log"])
         eng.add_turn(key, turn.token_ids, turn.params, spans=turn.spans, method=turn.method,
                      expected_turn_index=turn.expected_turn_index,
-                     shared_prefix=turn.shared_prefix if turn.new_session else 0)
+                     shared_prefix=turn.shared_prefix if turn.new_session else 0, prefix_scope=turn.prefix_scope)
         self._thread.register(key, functools.partial(self._deliver, stream))
 
     def _deliver(self, stream: TurnStream, out: RequestOutput | BaseException) -> None:

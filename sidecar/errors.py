@@ -23,11 +23,15 @@ from sidecar.integrity import SnapshotRejected
 from sidecar.limits import QuotaExceeded, TurnTooLarge
 from sidecar.protocol import InvalidRequest
 from sidecar.sessions import BadSessionId
-from sidecar.store import StoreUnavailable
+from sidecar.store import SnapshotRolledBack, StoreUnavailable
 
 
 class Draining(RuntimeError):
     """The server is shutting down (UNAVAILABLE: retry on another replica)."""
+
+
+class SequenceFailed(RuntimeError):
+    """The engine failed this turn alone (its sampling or token processing raised); INTERNAL."""
 
 
 class TurnAborted(RuntimeError):
@@ -37,7 +41,7 @@ class TurnAborted(RuntimeError):
 _CODES: list[tuple[type[BaseException] | tuple[type[BaseException], ...], grpc.StatusCode]] = [
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (QuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (SnapshotRejected, grpc.StatusCode.DATA_LOSS),
+    ((SnapshotRejected, SnapshotRolledBack), grpc.StatusCode.DATA_LOSS),
     ((InvalidRequest, TurnTooLarge, BadSessionId, ChatError, MethodError, SamplingError, ConfigError, ContextFull,
       PruneRuleError), grpc.StatusCode.INVALID_ARGUMENT),
     (SessionNotFound, grpc.StatusCode.NOT_FOUND),

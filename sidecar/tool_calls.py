@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from sidecar.validation import loads_bounded
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -27,7 +29,7 @@ class ParsedToolCall:
 def parse_call(body: str) -> ParsedToolCall | None:
     """A tool call from the JSON between the tags, or None if it is not one."""
     try:
-        obj = json.loads(body)
+        obj = loads_bounded(body)
     except (json.JSONDecodeError, ValueError):
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
@@ -35,8 +37,8 @@ def parse_call(body: str) -> ParsedToolCall | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
+            args = loads_bounded(args) if args.strip() else {}
+        except ValueError:  # not JSON, or nested too deep
             return None
     if not isinstance(args, dict):
         return None

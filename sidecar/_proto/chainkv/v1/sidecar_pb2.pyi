@@ -94,7 +94,7 @@ class ToolCall(_message.Message):
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments_json: _Optional[str] = ...) -> None: ...
 
 class TurnRequest(_message.Message):
-    __slots__ = ("session_id", "request_id", "messages", "tools", "expected_turn_index", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "method", "budget", "budget_ratio", "method_args", "shared_prefix_messages")
+    __slots__ = ("session_id", "request_id", "messages", "tools", "expected_turn_index", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "method", "budget", "budget_ratio", "method_args", "shared_prefix_messages", "public_prefix")
     class MethodArgsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class TurnRequest(_message.Message):
     BUDGET_RATIO_FIELD_NUMBER: _ClassVar[int]
     METHOD_ARGS_FIELD_NUMBER: _ClassVar[int]
     SHARED_PREFIX_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_PREFIX_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[Message]
@@ -136,7 +137,8 @@ class TurnRequest(_message.Message):
     budget_ratio: float
     method_args: _containers.ScalarMap[str, str]
     shared_prefix_messages: int
-    def __init__(self, session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., expected_turn_index: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., method: _Optional[str] = ..., budget: _Optional[int] = ..., budget_ratio: _Optional[float] = ..., method_args: _Optional[_Mapping[str, str]] = ..., shared_prefix_messages: _Optional[int] = ...) -> None: ...
+    public_prefix: bool
+    def __init__(self, session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., expected_turn_index: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., method: _Optional[str] = ..., budget: _Optional[int] = ..., budget_ratio: _Optional[float] = ..., method_args: _Optional[_Mapping[str, str]] = ..., shared_prefix_messages: _Optional[int] = ..., public_prefix: _Optional[bool] = ...) -> None: ...
 
 class TurnEvent(_message.Message):
     __slots__ = ("delta", "tool_call", "completion")
