@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from typing import Any, Hashable, Iterable
 
@@ -23,6 +24,7 @@ from engine.cache.formats import make_format
 from engine.cache.manager import CacheManager
 from engine.cache.pages import PagePool
 from engine.config import ConfigError, EngineConfig
+from engine.constrained import GrammarBackend
 from engine.controller import SparseController
 from engine.lifecycle import MethodSpec, ModelShape, SeqInfo
 from engine.methods import get_method_class
@@ -123,6 +125,8 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.chains = ChainCache(self)
         self.scheduler.chains = self.chains
+        self._grammars: GrammarBackend | None = None
+        self._grammars_lock = threading.Lock()
         self._inflight = None  # a launched decode step whose tokens are not read yet (see step)
         self.totals = {"decoded_tokens": 0, "finished_stop": 0, "finished_length": 0, "finished_abort": 0,
                        "finished_error": 0}
@@ -188,11 +192,16 @@ class LLMEngine:
     def new_sequence(self, seq_id: Hashable, token_ids: list[int], params: SamplingParams, spec: MethodSpec) -> Sequence:
         """A validated Sequence (not yet queued)."""
         self._check_tokens(token_ids, 0, params, spec)
-        return Sequence(seq_id, token_ids, params, spec, self.tokenizer, self._generator(params))
+        matcher = self._matcher(params)
+        seq = Sequence(seq_id, token_ids, params, spec, self.tokenizer, self._generator(params))
+        seq.matcher = matcher
+        return seq
 
     def restart_sequence(self, seq: Sequence, new_tokens: list[int], params: SamplingParams) -> None:
         """Start a session's next turn on its (persistent) Sequence."""
         self._check_tokens(new_tokens, seq.num_tokens, params, seq.spec)
+        matcher = self._matcher(params)
+        seq.matcher = matcher
         seq.turn_start = seq.num_tokens
         seq.token_ids.extend(new_tokens)
         seq.prompt_len = seq.num_tokens
@@ -221,6 +230,25 @@ class LLMEngine:
             return None
         seed = params.seed if params.seed is not None else self.config.seed + next(self._arrivals)
         return torch.Generator().manual_seed(seed)
+
+    @property
+    def grammars(self) -> GrammarBackend:
+        """Structured output's grammar compiler (built on first use; thread-safe): servers call
+        ``engine.grammars.compile(constraint)`` on a worker thread so the turn finds it compiled."""
+        if self._grammars is None:
+            with self._grammars_lock:
+                if self._grammars is None:
+                    if self.tokenizer is None:
+                        raise RequestError(f"{self.model_dir} has no tokenizer; structured output needs one")
+                    # its own tokenizer: the engine thread detokenizes with the shared one
+                    tok = load_tokenizer(self.model_dir) or self.tokenizer
+                    self._grammars = GrammarBackend(tok, self.model_config.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    def _matcher(self, params: SamplingParams):
+        if params.constraint is None:
+            return None
+        return self.grammars.matcher(params.constraint, params.stop_token_ids)
 
     def fingerprint(self) -> str:
         """What KV computed here depends on: a snapshot from another fingerprint is recomputed."""
@@ -349,7 +377,12 @@ class LLMEngine:
                     self.runner.scoring_pass(seq, self.tokenizer, self.config.prefill_chunk_size)
             for sid, rows in result.prompt_logits.items():
                 self._seqs[sid].prompt_logits.append(rows.cpu())
-            tokens = sample(result.logits, [s.params for s in result.sampling], [s.generator for s in result.sampling])
+            matchers = [s.matcher for s in result.sampling]
+            constrain = None
+            if any(m is not None for m in matchers):
+                constrain = lambda logits: self.grammars.apply_masks(logits, matchers)  # noqa: E731
+            tokens = sample(result.logits, [s.params for s in result.sampling], [s.generator for s in result.sampling],
+                            constrain)
             now = time.monotonic()
             for seq, tok, row in zip(result.sampling, tokens, result.logits):
                 if seq.params.return_logits:
@@ -366,7 +399,7 @@ class LLMEngine:
         if s.waiting or not s.running:
             return False
         chains = self.chains.chains
-        return all(q.in_decode and q.params.greedy and not q.params.return_logits
+        return all(q.in_decode and q.params.greedy and not q.params.return_logits and q.matcher is None
                    and not (q.seq_id in chains and chains[q.seq_id].queries is not None) for q in s.running)
 
     def _complete(self, inflight) -> list[Sequence]:
@@ -395,9 +428,13 @@ class LLMEngine:
         self.totals["decoded_tokens"] += 1
         p = seq.params
         is_stop = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        grammar_done = False
+        if seq.matcher is not None:
+            seq.matcher.advance(token)
+            grammar_done = seq.matcher.done  # the structure is complete: nothing may follow it
         if not is_stop:
             seq.pending_text += seq.detok.push(token)
-        if is_stop or seq.detok.stopped_on is not None:
+        if is_stop or grammar_done or seq.detok.stopped_on is not None:
             self._finish(seq, "stop")
         elif len(seq.output_ids) >= p.max_tokens or len(seq.output_ids) + seq.prompt_len >= self.max_model_len:
             self._finish(seq, "length")

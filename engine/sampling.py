@@ -1,4 +1,5 @@
-"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, per-request seeds.
+"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, per-request seeds, and the
+grammar masks of structured output (engine/constrained.py) applied to the logits before any of them.
 
 Each sampling request owns a ``torch.Generator`` seeded from its ``seed`` (or the engine's seed
 and the request's arrival order), so its tokens do not depend on which other requests share
@@ -7,9 +8,13 @@ the batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+
+from engine.constrained import Constraint
 
 
 class SamplingError(ValueError):
@@ -33,28 +38,36 @@ class SamplingParams:
     """Keep the logits of every prompt position (teacher-forced scoring, parity tests)."""
     return_logits: bool = False
     """Keep the logits row each generated token was sampled from."""
+    constraint: Constraint | None = None
+    """Structured output: the reply must match this grammar (engine/constrained.py)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise SamplingError(f"max_tokens must be a positive integer, not {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise SamplingError(f"temperature must be >= 0, not {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise SamplingError(f"temperature must be a finite number >= 0, not {self.temperature}")
         if self.top_k < 0:
             raise SamplingError(f"top_k must be >= 0, not {self.top_k}")
-        if not (0 < self.top_p <= 1):
+        if not math.isfinite(self.top_p) or not (0 < self.top_p <= 1):
             raise SamplingError(f"top_p must be in (0, 1], not {self.top_p}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if any(not s for s in self.stop):
             raise SamplingError("stop strings must not be empty")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise SamplingError("constraint must be an engine.constrained.Constraint")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits`` ``[M, V]`` (float32)."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           constrain: Callable[[torch.Tensor], None] | None = None) -> list[int]:
+    """One token per row of ``logits`` ``[M, V]`` (float32). ``constrain`` first masks, in place, the
+    rows of constrained sequences (their grammars' token bitmasks; ``GrammarBackend.apply_masks``)."""
+    if constrain is not None:
+        constrain(logits)
     out = logits.argmax(-1).tolist()
     for i, p in enumerate(params):
         if p.greedy:
