@@ -19,6 +19,7 @@ from engine.sampling import SamplingError, SamplingParams
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.chat import ROLES, ChatError, ToolSpec, tool_from_json
 from sidecar.sessions import BadSessionId, Session, check_id
+from sidecar.structured import OutputSpec, OutputSpecError
 
 TIERS = {"new": pb.TIER_NEW, "gpu": pb.TIER_GPU, "host": pb.TIER_HOST, "store": pb.TIER_STORE,
          "recompute": pb.TIER_RECOMPUTE}
@@ -52,6 +53,8 @@ class TurnArgs:
     params: SamplingParams
     method: MethodSpec | None
     shared_prefix_messages: int | None = None
+    output: OutputSpec = field(default_factory=OutputSpec)
+    """response_format and tool_choice (sidecar/structured.py)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -90,7 +93,17 @@ def parse_turn(req: pb.TurnRequest, limits: Limits) -> TurnArgs:
         raise InvalidRequest("expected_turn_index must be >= 0")
     return TurnArgs(session_id=req.session_id, request_id=req.request_id, messages=messages, tools=tools,
                     expected_turn_index=expected, params=params, method=method_spec(req),
-                    shared_prefix_messages=req.shared_prefix_messages if req.HasField("shared_prefix_messages") else None)
+                    shared_prefix_messages=req.shared_prefix_messages if req.HasField("shared_prefix_messages") else None,
+                    output=output_spec(req))
+
+
+def output_spec(req: pb.TurnRequest) -> OutputSpec:
+    rf, tc = req.response_format, req.tool_choice
+    try:
+        return OutputSpec(format=rf.type, json_schema=rf.json_schema, regex=rf.regex, grammar=rf.grammar,
+                          tool_choice=tc.mode, function_name=tc.function_name)
+    except OutputSpecError as e:
+        raise InvalidRequest(str(e)) from None
 
 
 def message_dict(m: pb.Message) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.chain import (ContextFull, SessionBusy, SessionError, SessionExists, SessionNotFound)
 from engine.config import ConfigError
+from engine.constrained import ConstraintError
 from engine.lifecycle import MethodError
 from engine.methods import REGISTRY as METHODS
 from engine.llm import CapacityError, LLMEngine, RequestError
@@ -53,8 +54,9 @@ from sidecar.protocol import (FINISH, TIERS, InvalidRequest, Limits, parse_turn,
                               stored_session_proto, tool_call_proto)
 from sidecar.sessions import BadSessionId, Session, SessionManager, check_id, scoped_key
 from sidecar.snapshots import SnapshotWriter
+from sidecar.structured import OutputSpecError, tools_from_meta
 from sidecar.store import SessionStore, StoreUnavailable
-from sidecar.tool_calls import ToolCallParser
+from sidecar.tool_calls import PlainText, ToolCallParser
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +126,8 @@ _CODES: list[tuple[type[BaseException] | tuple, grpc.StatusCode]] = [
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (QuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (SnapshotRejected, grpc.StatusCode.DATA_LOSS),
-    ((InvalidRequest, TurnTooLarge, BadSessionId, ChatError, MethodError, SamplingError, ConfigError, ContextFull),
+    ((InvalidRequest, TurnTooLarge, BadSessionId, ChatError, MethodError, SamplingError, ConfigError, ContextFull,
+      OutputSpecError, ConstraintError),
      grpc.StatusCode.INVALID_ARGUMENT),
     (SessionNotFound, grpc.StatusCode.NOT_FOUND),
     (SessionExists, grpc.StatusCode.ALREADY_EXISTS),
@@ -289,6 +292,10 @@ class SidecarService:
                                                args.shared_prefix_messages)
         else:
             rendered = await asyncio.to_thread(self.renderer.continuation, args.messages, s.ends_with_eot)
+        constraint = args.output.constraint(args.tools or tools_from_meta(s.tools))
+        if constraint is not None:  # compiled here, off the engine thread (the engine finds it cached)
+            await asyncio.to_thread(eng.grammars.compile, constraint)
+            args.params.constraint = constraint
         self.opts.tenant_limits.check_prompt(TenantLimits.tenant_of(key), len(rendered.token_ids))
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -314,7 +321,8 @@ class SidecarService:
         state["started"] = True
         if new:
             s.in_engine, s.tools_digest, s.source_tier = True, digest, "new"
-        parser, text, calls = ToolCallParser(), [], []
+            s.tools = [t.openai() for t in args.tools]
+        parser, text, calls = (ToolCallParser() if args.output.parses_tools else PlainText()), [], []
         turn_index = s.turn_index
         while True:
             out, info = await queue.get()
@@ -484,7 +492,7 @@ class SidecarService:
             info = await self.loop_.call(fork)
         finally:
             self.sessions.end_turn(parent, running, None)
-        child = self.sessions.adopt(child_key, tools_digest=parent.tools_digest, info=info)
+        child = self.sessions.adopt(child_key, tools_digest=parent.tools_digest, info=info, tools=parent.tools)
         self.srv.mark_dirty(child_key)
         return session_proto(request.new_session_id, info, child, has_store=self.srv.store is not None)
 

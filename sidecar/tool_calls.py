@@ -105,3 +105,13 @@ def _partial_suffix(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
+
+
+class PlainText:
+    """``ToolCallParser``'s interface for a reply whose tool markup stays text (tool_choice none)."""
+
+    def feed(self, text: str) -> list[tuple[str, object]]:
+        return [("text", text)] if text else []
+
+    def finish(self) -> list[tuple[str, object]]:
+        return []
