@@ -96,6 +96,9 @@ class Session:
     tools_digest: str = ""
     tools: list = field(default_factory=list)
     """The tools of its first turn (``ToolSpec.openai`` dicts): what a forced tool call may call."""
+    front: dict = field(default_factory=dict)
+    """State a front end keeps with the session (the HTTP front: its transcript digest and response
+    records); msgpack-able, it travels with the snapshot."""
     ends_with_eot: bool = False
     """The history ends with the end-of-turn token (the last reply closed its turn)."""
     records: "OrderedDict[str, bytes]" = field(default_factory=OrderedDict)
@@ -117,12 +120,13 @@ class Session:
 
     def app_meta(self) -> dict[str, Any]:
         """What the sidecar keeps about the session beside the engine's record."""
-        return {"tools_digest": self.tools_digest, "tools": self.tools, "created_at": self.created_at,
+        return {"tools_digest": self.tools_digest, "tools": self.tools, "front": self.front, "created_at": self.created_at,
                 "requests": [[rid, blob] for rid, blob in self.records.items()]}
 
     def load_app_meta(self, app: dict[str, Any]) -> None:
         self.tools_digest = app.get("tools_digest", "")
         self.tools = list(app.get("tools") or [])
+        self.front = dict(app.get("front") or {})
         self.created_at = app.get("created_at", self.created_at)
         self.records = OrderedDict((rid, bytes(blob)) for rid, blob in app.get("requests", []))
 

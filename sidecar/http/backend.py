@@ -1,0 +1,100 @@
+"""The HTTP front's one way onto the sidecar's sessions (the seam to swap for an engine client).
+
+A turn from either OpenAI API becomes a ``chainkv.v1.TurnRequest`` run by the gRPC servicer's own
+turn path, so both fronts share everything behind it: tenant-scoped session keys, quotas, loading a
+session from the store, rendering only the new messages, structured output, streaming, rolling back a
+turn whose caller went away, and write-behind snapshots. The bearer token is checked by the same
+``Authenticator`` as gRPC metadata, so an HTTP token and a gRPC token of one tenant see the same
+sessions and nothing else.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, AsyncIterator
+
+from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
+from sidecar.server import Draining
+from sidecar.sessions import Session, scoped_key
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sidecar.server import SidecarServer
+
+
+class _CallContext:
+    """What the servicer reads from a gRPC call context: the caller's metadata and its deadline."""
+
+    def __init__(self, authorization: str | None, deadline: float | None):
+        self._metadata = [("authorization", authorization)] if authorization is not None else []
+        self._deadline = deadline
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+
+class SessionBackend:
+    def __init__(self, server: "SidecarServer", model_name: str, request_timeout_s: float | None = None):
+        self.server = server
+        self.engine = server.engine
+        self.model_name = model_name
+        self.request_timeout_s = request_timeout_s
+
+    # --- callers ------------------------------------------------------------------------------------
+    def tenant(self, authorization: str | None) -> str:
+        """The caller's tenant (raises Unauthenticated); the gRPC front's rules."""
+        if self.server.draining:
+            raise Draining("the sidecar is shutting down; retry on another replica")
+        return self.server.options.auth.tenant([("authorization", authorization)] if authorization else [])
+
+    # --- turns --------------------------------------------------------------------------------------
+    async def turn(self, authorization: str | None, request: pb.TurnRequest) -> AsyncIterator[pb.TurnEvent]:
+        """Run one turn: its TextDelta / ToolCall events, then its TurnCompletion (errors raise)."""
+        deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
+        async for event in self.server.service._turn(request, _CallContext(authorization, deadline)):
+            yield event
+
+    # --- sessions -----------------------------------------------------------------------------------
+    def key(self, tenant: str, session_id: str) -> str:
+        return scoped_key(tenant, session_id)
+
+    def local(self, key: str) -> Session | None:
+        return self.server.sessions.local(key)
+
+    async def find(self, key: str) -> Session | None:
+        """The session here, or loaded from the store; None when it exists nowhere."""
+        s = self.server.sessions.local(key)
+        if s is not None and s.in_engine:
+            return s
+        try:
+            s = await self.server.sessions.get(key, create=False)
+        except Exception as e:  # noqa: BLE001 - only "not found" means None; the rest is the caller's error
+            from engine.chain import SessionNotFound
+
+            if isinstance(e, SessionNotFound):
+                return None
+            raise
+        return s if s.in_engine else None
+
+    async def end(self, key: str, keep_snapshot: bool = False) -> None:
+        from engine.chain import SessionNotFound
+
+        try:
+            await self.server.sessions.end(key, keep_snapshot, self.server.write_now)
+        except SessionNotFound:
+            pass
+
+    def mark_dirty(self, key: str) -> None:
+        self.server.mark_dirty(key)
+
+
+async def prepend(first, rest: AsyncIterator):
+    """``first``, then the items of ``rest`` (closed with this generator)."""
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
