@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -49,6 +50,25 @@ class HttpOptions:
     """A turn running longer is stopped and rolled back (504); unset: no limit."""
 
 
+def _openai_errors(route):
+    """Any exception a route raises becomes its OpenAI error here (a handler for plain exceptions would
+    run in Starlette's outermost middleware, which logs every 4xx as a server failure)."""
+
+    @functools.wraps(route)
+    async def wrapped(*args, **kwargs):
+        try:
+            return await route(*args, **kwargs)
+        except OpenAIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - mapped to its status; 5xx are logged
+            err = errors.from_exception(e)
+            if err.status >= 500:
+                log.exception("HTTP request failed")
+            raise err from None
+
+    return wrapped
+
+
 def build_app(server: "SidecarServer", options: HttpOptions | None = None) -> FastAPI:
     o = options or HttpOptions()
     model = o.served_model_name or server.engine.model_dir.name
@@ -80,11 +100,13 @@ def build_app(server: "SidecarServer", options: HttpOptions | None = None) -> Fa
         return {"status": "ok"}
 
     @app.get("/v1/models")
+    @_openai_errors
     async def list_models(authorization: str | None = Header(None)):
         backend.tenant(authorization)
         return {"object": "list", "data": [model_card()]}
 
     @app.get("/v1/models/{model_id:path}")
+    @_openai_errors
     async def get_model(model_id: str, authorization: str | None = Header(None)):
         backend.tenant(authorization)
         if model_id != model:
@@ -92,6 +114,7 @@ def build_app(server: "SidecarServer", options: HttpOptions | None = None) -> Fa
         return model_card()
 
     @app.post("/v1/chat/completions")
+    @_openai_errors
     async def chat_completions(request: Request, authorization: str | None = Header(None),
                                x_session_id: str | None = Header(None)):
         out = await chat.create(await body(request), authorization, x_session_id)
@@ -100,6 +123,7 @@ def build_app(server: "SidecarServer", options: HttpOptions | None = None) -> Fa
         return StreamingResponse(out, media_type="text/event-stream", headers=SSE_HEADERS)
 
     @app.post("/v1/responses")
+    @_openai_errors
     async def create_response(request: Request, authorization: str | None = Header(None)):
         out = await responses.create(await body(request), authorization)
         if isinstance(out, dict):
@@ -107,10 +131,12 @@ def build_app(server: "SidecarServer", options: HttpOptions | None = None) -> Fa
         return StreamingResponse(out, media_type="text/event-stream", headers=SSE_HEADERS)
 
     @app.get("/v1/responses/{response_id}")
+    @_openai_errors
     async def get_response(response_id: str, authorization: str | None = Header(None)):
         return await responses.get(response_id, authorization)
 
     @app.delete("/v1/responses/{response_id}")
+    @_openai_errors
     async def delete_response(response_id: str, authorization: str | None = Header(None)):
         return await responses.delete(response_id, authorization)
 

@@ -44,10 +44,11 @@ def check_model(body: dict, served: str) -> str:
     return model
 
 
-def number(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
+def number(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = False, prefix: str = "") -> float | None:
     v = body.get(name)
     if v is None:
         return None
+    name = prefix + name
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise invalid(f"{name} must be a finite number", name)
     if v > hi or v < lo or (lo_open and v == lo):
@@ -55,10 +56,11 @@ def number(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = False
     return float(v)
 
 
-def integer(body: dict, name: str, lo: int, hi: int) -> int | None:
+def integer(body: dict, name: str, lo: int, hi: int, *, prefix: str = "") -> int | None:
     v = body.get(name)
     if v is None:
         return None
+    name = prefix + name
     if isinstance(v, bool) or not isinstance(v, int):
         raise invalid(f"{name} must be an integer", name)
     if not lo <= v <= hi:
@@ -67,7 +69,7 @@ def integer(body: dict, name: str, lo: int, hi: int) -> int | None:
 
 
 def set_sampling(req: pb.TurnRequest, body: dict, max_token_names: tuple[str, ...]) -> None:
-    """temperature, top_p, seed, stop and the first of ``max_token_names`` that is set."""
+    """temperature, top_p, seed, stop, ignore_eos and the first of ``max_token_names`` that is set."""
     t = number(body, "temperature", 0.0, 2.0)
     if t is not None:
         req.temperature = t
@@ -82,6 +84,10 @@ def set_sampling(req: pb.TurnRequest, body: dict, max_token_names: tuple[str, ..
         if n is not None:
             req.max_tokens = n
             break
+    ignore_eos = body.get("ignore_eos", False)  # vLLM's extension
+    if not isinstance(ignore_eos, bool):
+        raise invalid("ignore_eos must be a boolean", "ignore_eos")
+    req.ignore_eos = ignore_eos
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
@@ -106,10 +112,10 @@ def set_extension(req: pb.TurnRequest, body: dict) -> None:
     if not isinstance(method, str):
         raise invalid("chainkv.method must be a string", "chainkv.method")
     req.method = method
-    budget = integer(ext, "budget", 1, INT32)
+    budget = integer(ext, "budget", 1, INT32, prefix="chainkv.")
     if budget is not None:
         req.budget = budget
-    ratio = number(ext, "budget_ratio", 0.0, 1.0, lo_open=True)
+    ratio = number(ext, "budget_ratio", 0.0, 1.0, lo_open=True, prefix="chainkv.")
     if ratio is not None:
         req.budget_ratio = ratio
     args = ext.get("method_args") or {}
