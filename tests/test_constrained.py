@@ -135,3 +135,57 @@ def _drain(engine, sid):
             if o.request_id == sid and o.finished:
                 last = o
     return last
+
+
+PROMPTS = [
+    "Describe a cat.", "What is 2+2?", "Name a color.", "Is the sky green?", "Rate the movie Alien.",
+    "Give me a fruit.", "Tell me about Paris.", "How many legs has a spider?", "Pick a random word.",
+    "Is water wet?", "What is the capital of Japan?", "Summarize: the quick brown fox.", "Say hello.",
+    "Recommend a book.", "What day follows Monday?", "Describe the ocean.", "Is 7 prime?",
+    "Name an animal that flies.", "What is your favourite number?", "Translate 'chat' from French.",
+]
+REVIEW = {"type": "object",
+          "properties": {"topic": {"type": "string", "maxLength": 40},
+                         "sentiment": {"enum": ["positive", "neutral", "negative"]},
+                         "score": {"type": "integer", "minimum": 1, "maximum": 10},
+                         "facts": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 3}},
+          "required": ["topic", "sentiment", "score", "facts"], "additionalProperties": False}
+
+
+@pytest.mark.slow
+def test_smollm2_json_schema_on_twenty_prompts(smol_engine):
+    c = Constraint.json_schema(REVIEW)
+    prompts = [_prompt(smol_engine, p + " Answer in JSON.") for p in PROMPTS]
+    params = [SamplingParams(max_tokens=160, temperature=0.0 if i % 2 else 0.7, seed=i, constraint=c)
+              for i in range(len(PROMPTS))]
+    for o in smol_engine.generate(prompts, params):
+        assert o.finish_reason == "stop", o.text
+        jsonschema.validate(json.loads(o.text), REVIEW)
+
+
+@pytest.mark.slow
+def test_smollm2_forced_tool_calls_are_well_formed(smol_engine):
+    from sidecar.chat import ChatRenderer, ToolSpec
+    from sidecar.structured import tool_call_constraint
+    from sidecar.tool_calls import ToolCallParser
+
+    tools = [ToolSpec("get_weather", "Current weather in a city",
+                      {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                        "unit": {"enum": ["celsius", "fahrenheit"]}},
+                       "required": ["city", "unit"]}),
+             ToolSpec("calculator", "Evaluate arithmetic",
+                      {"type": "object", "properties": {"expression": {"type": "string", "maxLength": 40}},
+                       "required": ["expression"]})]
+    renderer = ChatRenderer(smol_engine.tokenizer, smol_engine.eos_token_ids)
+    questions = PROMPTS[:10]
+    prompts = [renderer.first_turn([{"role": "user", "content": q}], tools).token_ids for q in questions]
+    c = tool_call_constraint(tools)
+    outs = smol_engine.generate(prompts, [SamplingParams(max_tokens=120, temperature=0.5, seed=i, constraint=c)
+                                          for i in range(len(prompts))])
+    for o in outs:
+        parser = ToolCallParser()
+        events = parser.feed(o.text) + parser.finish()
+        calls = [v for k, v in events if k == "tool_call"]
+        assert o.finish_reason == "stop" and len(calls) == 1, o.text
+        schema = next(t.parameters for t in tools if t.name == calls[0].name)
+        jsonschema.validate(json.loads(calls[0].arguments_json), schema)

@@ -46,8 +46,6 @@ class HttpOptions:
     served_model_name: str | None = None
     """The model name clients send; unset: the model folder's name (as gRPC GetServerInfo reports)."""
     max_body_bytes: int = 4 * 2**20
-    request_timeout_s: float | None = None
-    """A turn running longer is stopped and rolled back (504); unset: no limit."""
 
 
 def _openai_errors(route):
@@ -72,7 +70,7 @@ def _openai_errors(route):
 def build_app(server: "SidecarServer", options: HttpOptions | None = None) -> FastAPI:
     o = options or HttpOptions()
     model = o.served_model_name or server.engine.model_dir.name
-    backend = SessionBackend(server, model, o.request_timeout_s)
+    backend = SessionBackend(server, model)
     chat = ChatCompletions(backend)
     responses = Responses(backend)
     app = FastAPI(title="chainkv", docs_url=None, redoc_url=None, openapi_url=None)

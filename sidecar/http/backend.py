@@ -36,11 +36,10 @@ class _CallContext:
 
 
 class SessionBackend:
-    def __init__(self, server: "SidecarServer", model_name: str, request_timeout_s: float | None = None):
+    def __init__(self, server: "SidecarServer", model_name: str):
         self.server = server
         self.engine = server.engine
         self.model_name = model_name
-        self.request_timeout_s = request_timeout_s
 
     # --- callers ------------------------------------------------------------------------------------
     def tenant(self, authorization: str | None) -> str:
@@ -52,8 +51,7 @@ class SessionBackend:
     # --- turns --------------------------------------------------------------------------------------
     async def turn(self, authorization: str | None, request: pb.TurnRequest) -> AsyncIterator[pb.TurnEvent]:
         """Run one turn: its TextDelta / ToolCall events, then its TurnCompletion (errors raise)."""
-        deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
-        async for event in self.server.service._turn(request, _CallContext(authorization, deadline)):
+        async for event in self.server.service._turn(request, _CallContext(authorization, None)):
             yield event
 
     # --- sessions -----------------------------------------------------------------------------------
