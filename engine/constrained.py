@@ -59,7 +59,8 @@ class Constraint:
 
     @classmethod
     def json_schema(cls, schema: dict | str, prefix: str = "", suffix: str = "") -> "Constraint":
-        text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        # the keys keep their order: a grammar writes an object's properties in the schema's order
+        text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))
         return cls("json_schema", text, prefix, suffix)
 
 

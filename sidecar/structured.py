@@ -119,6 +119,6 @@ def schema_text(schema) -> str:
     if isinstance(schema, str):
         return schema
     try:
-        return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        return json.dumps(schema, separators=(",", ":"))  # key order kept: properties are written in it
     except (TypeError, ValueError, RecursionError) as e:
         raise OutputSpecError(f"the JSON schema cannot be serialized: {e}") from None

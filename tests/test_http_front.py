@@ -307,3 +307,28 @@ def test_responses_resume_after_a_restart_on_the_same_store(engine, store_dir, l
         assert nxt.usage.input_tokens_details.cached_tokens > 0
     finally:
         other.stop()
+
+
+def test_langchain_chat_openai_tools_structured_output_and_cache(live):
+    """LangChain's ChatOpenAI pointed at the front: a forced tool call, structured output by json_schema,
+    and a conversation whose second call reuses the cache."""
+    lc = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage
+    from pydantic import BaseModel, Field
+
+    class Answer(BaseModel):
+        answer: int = Field(ge=0, le=9)
+        sure: bool
+
+    llm = lc.ChatOpenAI(base_url=live.url, api_key="tok-alpha", model=live.model, max_tokens=96, max_retries=0,
+                        stream_usage=True)
+    msg = llm.bind_tools(TOOLS, tool_choice="get_weather").invoke("Weather in Oslo?")  # (a random model needs maxLength)
+    assert len(msg.tool_calls) == 1 and msg.tool_calls[0]["name"] == "get_weather"
+    assert isinstance(msg.tool_calls[0]["args"].get("city"), str)
+    parsed = llm.with_structured_output(Answer, method="json_schema").invoke("Pick a digit.")
+    assert isinstance(parsed, Answer)
+    history = [HumanMessage("Tell me something.")]
+    history.append(llm.invoke(history))
+    history.append(HumanMessage("More."))
+    second = llm.invoke(history)
+    assert second.usage_metadata["input_token_details"]["cache_read"] > 0
