@@ -332,3 +332,54 @@ def test_langchain_chat_openai_tools_structured_output_and_cache(live):
     history.append(HumanMessage("More."))
     second = llm.invoke(history)
     assert second.usage_metadata["input_token_details"]["cache_read"] > 0
+
+
+@pytest.mark.slow
+def test_chainkv_serve_http_port_serves_both_fronts(tiny_chat_dir, tmp_path):
+    """``chainkv serve --http-port 0``: one process answers gRPC and HTTP on the same sessions, and a
+    SIGTERM drains and exits cleanly."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    from pathlib import Path
+
+    import grpc
+
+    from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
+    from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "sidecar.cli", "serve", "--port", "0", "--http-port", "0", "--device", "cpu",
+           "--model", tiny_chat_dir, "--store", str(tmp_path / "store"), "--num-pages", "3000",
+           "--max-model-len", "2048", "--log-level", "WARNING", "--auth-token", "tok-alpha=alpha"]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ports: dict[str, int] = {}
+    ready = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            if "serving chainkv.v1.Sidecar on" in line:
+                ports["grpc"] = int(line.split(" on ", 1)[1].split()[0].rsplit(":", 1)[1])
+            if "OpenAI-compatible HTTP API on http://" in line:
+                ports["http"] = int(line.split("http://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(300), "the server did not start"
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="tok-alpha", max_retries=0)
+        model = c.models.list().data[0].id
+        r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                      prompt_cache_key="both-fronts")
+        assert r.usage.completion_tokens >= 1
+        # the HTTP session is the tenant's gRPC session pck-both-fronts
+        stub = sidecar_pb2_grpc.SidecarStub(grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}"))
+        info = stub.GetSession(pb.GetSessionRequest(session_id="pck-both-fronts"), timeout=60,
+                               metadata=[("authorization", "Bearer tok-alpha")])
+        assert info.turn_index == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
