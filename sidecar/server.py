@@ -255,6 +255,7 @@ class SidecarService:
                 for event in replay_events(recorded):
                     yield event
                 return
+        await self._constrain(s, args)
         running = self.sessions.begin_turn(s, args.request_id)
         if not s.in_engine:  # a new session: recheck the quota now that it is taken (no await since)
             try:
@@ -271,6 +272,14 @@ class SidecarService:
                 self.sessions.end_turn(s, running, state["completion"])
             else:
                 self._settle_later(s, key, running, state.get("started", False))
+
+    async def _constrain(self, s: Session, args) -> None:
+        """Structured output: the turn's grammar, compiled off the engine thread (which then finds it
+        cached) and before the session is taken, so a bad schema leaves the session untouched."""
+        constraint = args.output.constraint(args.tools or tools_from_meta(s.tools))
+        if constraint is not None:
+            await asyncio.to_thread(self.engine.grammars.compile, constraint)
+            args.params.constraint = constraint
 
     async def _recorded(self, s: Session, request_id: str) -> bytes | None:
         if request_id in s.records:
@@ -292,10 +301,6 @@ class SidecarService:
                                                args.shared_prefix_messages)
         else:
             rendered = await asyncio.to_thread(self.renderer.continuation, args.messages, s.ends_with_eot)
-        constraint = args.output.constraint(args.tools or tools_from_meta(s.tools))
-        if constraint is not None:  # compiled here, off the engine thread (the engine finds it cached)
-            await asyncio.to_thread(eng.grammars.compile, constraint)
-            args.params.constraint = constraint
         self.opts.tenant_limits.check_prompt(TenantLimits.tenant_of(key), len(rendered.token_ids))
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()

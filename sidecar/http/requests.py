@@ -69,13 +69,16 @@ def integer(body: dict, name: str, lo: int, hi: int, *, prefix: str = "") -> int
 
 
 def set_sampling(req: pb.TurnRequest, body: dict, max_token_names: tuple[str, ...]) -> None:
-    """temperature, top_p, seed, stop, ignore_eos and the first of ``max_token_names`` that is set."""
+    """temperature, top_p, top_k, seed, stop, ignore_eos and the first of ``max_token_names`` that is set."""
     t = number(body, "temperature", 0.0, 2.0)
     if t is not None:
         req.temperature = t
     p = number(body, "top_p", 0.0, 1.0, lo_open=True)
     if p is not None:
         req.top_p = p
+    top_k = integer(body, "top_k", 0, INT32)  # vLLM's extension
+    if top_k is not None:
+        req.top_k = top_k
     seed = integer(body, "seed", -INT64 - 1, INT64)
     if seed is not None:
         req.seed = seed
