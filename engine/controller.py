@@ -118,10 +118,19 @@ class SparseController:
         steps'), every layer of every sequence in one compaction."""
         pending, self._pending = self._pending, []
         self._compact(pending)
+        for method in self._deferring_methods():
+            decided = method.after_prefill_pass()
+            if decided is not None and decided.seq_ids:
+                self._compact_mask(decided)
 
     def drop_pending_evictions(self) -> None:
         """The pass failed: its decisions are dropped (the cache keeps those tokens)."""
         self._pending = []
+        for method in self._deferring_methods():
+            method.after_prefill_pass()
+
+    def _deferring_methods(self) -> list[SparseMethod]:
+        return [m for m in self._instances.values() if _overrides(m, "after_prefill_pass")]
 
     # --- scoring pass (after a turn's prefill) -----------------------------------------------------
     def wants_scoring_pass(self, seq_id: SeqId) -> bool:
@@ -136,6 +145,10 @@ class SparseController:
     def after_scoring(self, seq_id: SeqId, num_tokens: int) -> None:
         per_layer = self._method_of[seq_id].after_scoring(self._info(seq_id, num_tokens)) or {}
         self._compact([(seq_id, layer, keep) for layer, keep in per_layer.items()])
+
+    def protected_len(self, seq_id: SeqId) -> int:
+        """Leading tokens of ``seq_id`` that compactions keep (a shared prefix)."""
+        return self._protected.get(seq_id, 0)
 
     def _info(self, seq_id: SeqId, num_tokens: int) -> SeqInfo:
         return SeqInfo(seq_id, num_tokens, self._protected.get(seq_id, 0))

@@ -13,6 +13,8 @@ Hooks, in the order the engine calls them (see DESIGN.md):
                                            probabilities ``after_prefill_chunk`` needs (0: none)
 ``prefill_view(layer, chunk)``             which cached KV a prefill chunk attends (None: all)
 ``after_prefill_chunk(layer, chunk)``      keep-indices per kv-head after a chunk's attention
+``after_prefill_pass()``                   the forward pass is queued: keep decisions the method
+                                           deferred from its chunks, every layer at once
 ``decode_view(layer, batch)``              pages / tokens each head reads this decode step
 ``graph_decode()`` / ``prepare_graph_decode``  optional: the decode selection can run inside the
 ``graph_decode_view(layer, ...)``           decode CUDA graph (device-only, static shapes; Quest)
@@ -186,6 +188,11 @@ class PrefillChunk(ChunkInfo):
     context_lengths: torch.Tensor | None = None
     """``[H]`` (host), scoring-pass chunks only: physical tokens per kv-head before the pass (the
     cached history the pass scores; the pass's own tokens follow them)."""
+    protected: int = 0
+    """Leading tokens every head keeps whatever the method decides (a prefix whose pages other
+    sequences share). A method that keeps its best ``budget`` tokens spends the budget on the
+    others (ranks these last), so every head ends with the same count: heads of one length attend
+    and score in one batch."""
 
 
 @dataclass
@@ -299,6 +306,13 @@ class SparseMethod:
         return None
 
     def after_prefill_chunk(self, layer: int, chunk: PrefillChunk) -> Keep | None:
+        return None
+
+    def after_prefill_pass(self) -> KeepMask | None:
+        """Once a forward pass is queued: the keep decisions of the prefill chunks this method
+        recorded in ``after_prefill_chunk`` instead of deciding there (scoring every layer of a
+        prompt in one batch of kernels rather than one per layer). Also called, its answer
+        dropped, when the pass fails: forget what was recorded."""
         return None
 
     def decode_view(self, layer: int, batch: DecodeBatch) -> Selection | None:

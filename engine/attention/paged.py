@@ -125,6 +125,6 @@ class PagedAttention:
         elif self.controller.wants_after_prefill(seg.seq_id):
             chunk = PrefillChunk(seq_id=seg.seq_id, layer=layer, start=seg.start, length=seg.length, is_last=seg.is_last,
                                  q=q, k=k, v=v, probs=probs, lengths=self.manager.lengths[seg.slot, layer].clone(),
-                                 cache=self.manager)
+                                 cache=self.manager, protected=self.controller.protected_len(seg.seq_id))
             self.controller.after_prefill_chunk(layer, chunk)
         return out

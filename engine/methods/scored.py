@@ -144,9 +144,20 @@ class ScoredEviction(SparseMethod, ABC):
         budgets = self.layer_budgets(layer, chunk.lengths, chunk.num_tokens)
         if all(int(n) <= b for n, b in zip(chunk.lengths, budgets)):
             return None
-        keep = self.select(layer, self.score(layer, chunk), chunk.lengths, chunk.num_tokens)
+        keep = self.select(layer, rank_protected_last(self.score(layer, chunk), chunk.protected), chunk.lengths,
+                           chunk.num_tokens)
         self.on_kept(layer, chunk.seq_id, keep)
         return keep
+
+
+def rank_protected_last(scores: torch.Tensor, protected: int) -> torch.Tensor:
+    """``scores`` ``[H, T]`` with the first ``protected`` tokens of every head ranked below all
+    others. The cache keeps them whatever is chosen (a prefix whose pages other sequences share),
+    so the budget goes to the other tokens and every head ends with ``protected + budget``: heads
+    of one length, which attend and score in one batch."""
+    if protected <= 0:
+        return scores
+    return scores.masked_fill(torch.arange(scores.shape[-1], device=scores.device) < protected, float("-inf"))
 
 
 def force_keep(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
