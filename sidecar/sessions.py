@@ -120,7 +120,8 @@ class Session:
 
     def app_meta(self) -> dict[str, Any]:
         """What the sidecar keeps about the session beside the engine's record."""
-        return {"tools_digest": self.tools_digest, "tools": self.tools, "front": self.front, "created_at": self.created_at,
+        return {"tools_digest": self.tools_digest, "tools": self.tools, "front": self.front,
+                "created_at": self.created_at,
                 "requests": [[rid, blob] for rid, blob in self.records.items()]}
 
     def load_app_meta(self, app: dict[str, Any]) -> None:

@@ -205,7 +205,8 @@ class _Run:
         if completion is not None:
             u = completion.usage
             prompt = max(0, u.history_tokens - u.generated_tokens)
-            body["usage"] = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": u.reused_tokens, "cache_write_tokens": 0},
+            body["usage"] = {"input_tokens": prompt,
+                             "input_tokens_details": {"cached_tokens": u.reused_tokens, "cache_write_tokens": 0},
                              "output_tokens": u.generated_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                              "total_tokens": prompt + u.generated_tokens}
             if completion.finish_reason == pb.FINISH_REASON_LENGTH:
@@ -304,9 +305,9 @@ class _Run:
                 yield text
         except Exception as e:  # headers are sent: a failed event ends the stream
             err = from_exception(e)
-            failed = dict(self.response("in_progress"), status="failed",
-                          error={"code": "server_error" if err.status >= 500 else "invalid_prompt", "message": err.message})
-            yield f"event: response.failed\ndata: {json.dumps({'type': 'response.failed', 'sequence_number': self.seq, 'response': failed})}\n\n"
+            code = "server_error" if err.status >= 500 else "invalid_prompt"
+            failed = dict(self.response("in_progress"), status="failed", error={"code": code, "message": err.message})
+            yield self.event("response.failed", response=failed)
         finally:
             await turn.aclose()
             await self.finish()
