@@ -97,7 +97,10 @@ class GrammarBackend:
     """xgrammar against one tokenizer: compiles constraints (cached) and makes per-sequence matchers."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int], cache_size: int = 256):
-        import xgrammar as xgr
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            raise ConstraintError("structured output needs xgrammar (pip install 'chainkv[server]' or xgrammar)") from None
 
         self._xgr = xgr
         self.vocab_size = vocab_size
