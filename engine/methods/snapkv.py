@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache.manager import to_device
+from engine.cache.transfer import to_device
 from engine.lifecycle import ChunkInfo, DecodeBatch, KeepMask, MethodError, PrefillChunk
 from engine.methods.decode_window import DecodeWindow, window_probs
+from engine.methods.registry import register
 from engine.methods.scored import ScoredEviction, pool_1d, rank_protected_last, topk_per_head
 
 
@@ -78,6 +79,7 @@ class _Deferred:
     sums: dict[int, torch.Tensor]  # layer -> window-summed probabilities [Hq, length]
 
 
+@register
 class SnapKV(ScoredEviction):
     name = "snapkv"
     Params = SnapKVParams
@@ -85,7 +87,7 @@ class SnapKV(ScoredEviction):
     def __init__(self, spec, shape):
         super().__init__(spec, shape)
         p = self.params
-        self.decode_interval = getattr(p, "decode_interval", 0)  # subclasses (PyramidKV) may not have it
+        self.decode_interval = p.decode_interval
         if p.window_size < 1 or p.kernel_size < 1 or self.decode_interval < 0:
             raise MethodError(f"{self.name}: window_size and kernel_size must be >= 1, decode_interval >= 0")
         if p.pooling not in ("avgpool", "maxpool"):
