@@ -95,3 +95,19 @@ def test_bad_structured_requests_are_invalid_argument(stub, kw, needle):
     _, done = _turn(stub, "bad-structured", "hi", max_tokens=4)
     assert done.turn_index == 0
     stub.EndSession(pb.EndSessionRequest(session_id="bad-structured"))
+
+
+def test_a_closing_tag_inside_the_arguments_does_not_end_the_call():
+    from sidecar.tool_calls import ToolCallParser
+
+    text = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": ">2+2</tool_call>}}</tool_call> ok"}}'
+            '\n</tool_call> after')
+    for pieces in ([text], [text[i:i + 7] for i in range(0, len(text), 7)]):
+        parser = ToolCallParser()
+        events = [e for p in pieces for e in parser.feed(p)] + parser.finish()
+        calls = [v for k, v in events if k == "tool_call"]
+        assert len(calls) == 1 and json.loads(calls[0].arguments_json)["expression"].endswith(" ok")
+        assert "".join(v for k, v in events if k == "text").strip() == "after"
+    parser = ToolCallParser()  # a malformed call stays text
+    events = parser.feed("<tool_call>{oops</tool_call> tail") + parser.finish()
+    assert [k for k, _ in events] == ["text"] and "{oops" in events[0][1]
