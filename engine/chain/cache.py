@@ -34,6 +34,7 @@ from engine.config import EngineConfig
 from engine.controller import SparseController
 from engine.lifecycle import MethodSpec, SeqInfo
 from engine.prefix import PrefixIndex, QueryWindow, prune_span
+from engine.prune_rule import check_policy, check_span, due_spans
 from engine.requests import RequestFactory
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
@@ -213,13 +214,9 @@ class ChainCache:
         cfg = self.config
         if cfg.prune_lag is None and cfg.prune_trigger_tokens is None:
             return
-        for span in chain.spans:
-            if span.pruned or span.role not in cfg.prune_roles:
-                continue
-            old = cfg.prune_lag is not None and chain.turn_index - span.turn >= cfg.prune_lag
-            big = cfg.prune_trigger_tokens is not None and span.end - span.start > cfg.prune_trigger_tokens
-            if old or big:
-                self.prune(chain.session_id, span.start, span.end, reason="lag" if old else "trigger")
+        for start, end, reason in due_spans(chain.spans, chain.turn_index, cfg.prune_roles, lag=cfg.prune_lag,
+                                            trigger_tokens=cfg.prune_trigger_tokens):
+            self.prune(chain.session_id, start, end, reason=reason)
 
     def prune(self, session_id: Hashable, start: int, end: int, policy: str | None = None,
               keep_ratio: float | None = None, scope: str | None = None, reason: str = "request") -> int:
@@ -231,10 +228,8 @@ class ChainCache:
         cfg = self.config
         policy, scope = policy or cfg.prune_policy, scope or cfg.prune_scope
         keep_ratio = cfg.prune_keep_ratio if keep_ratio is None else keep_ratio
-        if policy not in ("drop", "keep_ratio") or scope not in ("global", "per_head") or not 0 <= keep_ratio <= 1:
-            raise SessionError(f"bad pruning policy {policy!r}/{scope!r}/{keep_ratio}")
-        if not 0 <= start < end <= len(chain.history):
-            raise SessionError(f"span ({start}, {end}) lies outside the {len(chain.history)}-token history")
+        check_policy(policy, keep_ratio, scope)
+        check_span(start, end, len(chain.history))
         self.tiers.ensure_on_gpu(chain)
         removed = 0
         if chain.state is ChainState.IDLE:

@@ -93,7 +93,7 @@ def build_app(server: "SidecarServer", options: HttpOptions | None = None) -> Fa
 
     @app.get("/health")
     async def health():
-        if server.draining or server.engine_loop.failed is not None:
+        if server.draining or server.client.failed is not None:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return {"status": "ok"}
 

@@ -1,7 +1,7 @@
 """The HTTP front's one way onto the sidecar's sessions (the seam to swap for an engine client).
 
-A turn from either OpenAI API becomes a ``chainkv.v1.TurnRequest`` run by the gRPC servicer's own
-turn path, so both fronts share everything behind it: tenant-scoped session keys, quotas, loading a
+A turn from either OpenAI API becomes a ``chainkv.v1.TurnRequest`` run by the sidecar's
+``TurnRunner`` (over its ``EngineClient``), as gRPC's Turn is, so both fronts share everything behind it: tenant-scoped session keys, quotas, loading a
 session from the store, rendering only the new messages, structured output, streaming, rolling back a
 turn whose caller went away, and write-behind snapshots. The bearer token is checked by the same
 ``Authenticator`` as gRPC metadata, so an HTTP token and a gRPC token of one tenant see the same
@@ -10,7 +10,6 @@ sessions and nothing else.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, AsyncIterator
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
@@ -19,20 +18,6 @@ from sidecar.sessions import Session, scoped_key
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.server import SidecarServer
-
-
-class _CallContext:
-    """What the servicer reads from a gRPC call context: the caller's metadata and its deadline."""
-
-    def __init__(self, authorization: str | None, deadline: float | None):
-        self._metadata = [("authorization", authorization)] if authorization is not None else []
-        self._deadline = deadline
-
-    def invocation_metadata(self):
-        return self._metadata
-
-    def time_remaining(self) -> float | None:
-        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
 
 class SessionBackend:
@@ -51,7 +36,9 @@ class SessionBackend:
     # --- turns --------------------------------------------------------------------------------------
     async def turn(self, authorization: str | None, request: pb.TurnRequest) -> AsyncIterator[pb.TurnEvent]:
         """Run one turn: its TextDelta / ToolCall events, then its TurnCompletion (errors raise)."""
-        async for event in self.server.service._turn(request, _CallContext(authorization, None)):
+        tenant = self.tenant(authorization)
+        self.server.client.check_serving()
+        async for event in self.server.turns.run(tenant, request, None):
             yield event
 
     # --- sessions -----------------------------------------------------------------------------------
