@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from typing import Any, Hashable, Iterable
 
 import torch
@@ -22,6 +23,7 @@ from engine.cache.manager import CacheManager
 from engine.cache.pages import PagePool
 from engine.chain import ChainCache, ChainState, SessionError, Tier
 from engine.config import EngineConfig
+from engine.constrained import GrammarBackend
 from engine.controller import SparseController
 from engine.lifecycle import MethodSpec, ModelShape, SeqInfo
 from engine.methods import get_method_class
@@ -101,6 +103,10 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.loop = StepLoop(config, self.scheduler, self.runner, self.chains, self.tokenizer, self.eos_token_ids,
                              self.max_model_len)
+        self._grammars: GrammarBackend | None = None
+        self._grammars_lock = threading.Lock()
+        self.requests.matchers = lambda params: self.grammars.matcher(params.constraint, params.stop_token_ids)
+        self.loop.grammar_masks = lambda logits, matchers: self.grammars.apply_masks(logits, matchers)
         self._seqs: dict[Hashable, Sequence] = self.loop.seqs
         self._ids = itertools.count()
 
@@ -140,6 +146,20 @@ class LLMEngine:
     def new_sequence(self, seq_id: Hashable, token_ids: list[int], params: SamplingParams, spec: MethodSpec) -> Sequence:
         """A validated Sequence (not yet queued)."""
         return self.requests.new_sequence(seq_id, token_ids, params, spec)
+
+    @property
+    def grammars(self) -> GrammarBackend:
+        """Structured output's grammar compiler (built on first use; thread-safe): servers call
+        ``engine.grammars.compile(constraint)`` on a worker thread so the turn finds it compiled."""
+        if self._grammars is None:
+            with self._grammars_lock:
+                if self._grammars is None:
+                    if self.tokenizer is None:
+                        raise RequestError(f"{self.model_dir} has no tokenizer; structured output needs one")
+                    # its own tokenizer: the engine thread detokenizes with the shared one
+                    tok = load_tokenizer(self.model_dir) or self.tokenizer
+                    self._grammars = GrammarBackend(tok, self.model_config.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def fingerprint(self) -> str:
         """What KV computed here depends on: a snapshot from another fingerprint is recomputed."""

@@ -1,4 +1,5 @@
-"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, per-request seeds.
+"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, per-request seeds, and the
+grammar masks of structured output (engine/constrained.py) applied to the logits before any of them.
 
 Each sampling request owns a ``torch.Generator`` seeded from its ``seed`` (or the engine's seed
 and the request's arrival order), so its tokens do not depend on which other requests share
@@ -15,8 +16,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+
+from engine.constrained import Constraint
 
 
 class SamplingError(ValueError):
@@ -50,6 +54,8 @@ class SamplingParams:
     """Keep the logits of every prompt position (teacher-forced scoring, parity tests)."""
     return_logits: bool = False
     """Keep the logits row each generated token was sampled from."""
+    constraint: Constraint | None = None
+    """Structured output: the reply must match this grammar (engine/constrained.py)."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -75,6 +81,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise SamplingError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} non-negative integers")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise SamplingError("constraint must be an engine.constrained.Constraint")
 
     @property
     def greedy(self) -> bool:
@@ -93,10 +101,13 @@ class RowFailed(RuntimeError):
     """Sampling one row failed; only that row's request is affected."""
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> tuple[list[int | None], list[str | None]]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           constrain: Callable[[torch.Tensor], None] | None = None) -> tuple[list[int | None], list[str | None]]:
     """One token per row of ``logits`` ``[M, V]`` (float32), and per row the error that stopped it
-    (None when it sampled). A failed row's token is None."""
+    (None when it sampled). A failed row's token is None. ``constrain`` first masks, in place, the
+    rows of constrained sequences (their grammars' token bitmasks; ``GrammarBackend.apply_masks``)."""
+    if constrain is not None:
+        constrain(logits)
     out: list[int | None] = logits.argmax(-1).tolist()
     errors: list[str | None] = [None] * len(params)
     for i, p in enumerate(params):

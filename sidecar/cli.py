@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tls-client-ca", default=None, metavar="PEM", help="require client certificates signed by this CA")
     g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
     g.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one object per line")
+    g.add_argument("--http-port", type=int, default=None, metavar="PORT",
+                   help="also serve the OpenAI-compatible HTTP API on this port (0 picks one); unset: no HTTP")
+    g.add_argument("--http-host", default=None, help="address of the HTTP port (default: --host)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name HTTP clients send (default: the model folder's name)")
     g.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics on this port (0 picks one); unset: no metrics")
     g.add_argument("--metrics-host", default="127.0.0.1",
@@ -152,6 +157,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"method {config.method}, device {engine.device}, store {store.describe() if store else 'none'}, "
               f"auth {'on' if auth.enabled else 'off'}, snapshot hmac {'on' if store and store.hmac_keys else 'off'})",
               flush=True)
+        http = None
+        if args.http_port is not None:
+            from sidecar.http.app import HttpFront, HttpOptions
+
+            http = HttpFront(server, HttpOptions(host=args.http_host or args.host, port=args.http_port,
+                                                 served_model_name=args.served_model_name))
+            http_port = await http.start()
+            print(f"chainkv: serving the OpenAI-compatible HTTP API on http://{args.http_host or args.host}:{http_port}/v1 "
+                  f"(model {http.app.state.backend.model_name})", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -162,7 +176,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         writes = server.writer.writes if server.writer is not None else 0
         print(f"chainkv: shutting down: draining {turns} running turn(s), writing {pending} pending snapshot(s)",
               flush=True)
+        if http is not None:
+            server.draining = True  # new HTTP requests get 503 while running turns finish
         await server.stop()
+        if http is not None:
+            await http.stop()
         written = (server.writer.writes - writes) if server.writer is not None else 0
         left = sum(s.snapshot_pending for s in server.sessions.all()) if server.store is not None else 0
         print(f"chainkv: drained {turns - server.sessions.active_turns} turn(s); wrote {written} snapshot(s)"

@@ -146,6 +146,11 @@ class EngineClient:
         if self._thread.failed is not None:
             raise EngineFailed(f"the engine stopped: {self._thread.failed!r}")
 
+    def compile_grammar(self, constraint) -> None:
+        """Compile a structured-output constraint (thread-safe and cached; call it from a worker
+        thread before the turn, so the engine thread finds it compiled)."""
+        self._engine.grammars.compile(constraint)
+
     # --- turns ----------------------------------------------------------------------------------------
     async def start_turn(self, key: str, turn: EngineTurn) -> TurnStream:
         """Queue ``turn`` on session ``key`` (created by its first turn); its outputs stream."""

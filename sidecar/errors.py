@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import grpc
 
+from engine.constrained import ConstraintError
 from engine.chain import ContextFull, SessionBusy, SessionError, SessionExists, SessionNotFound
 from engine.config import ConfigError
 from engine.lifecycle import MethodError
 from engine.llm import CapacityError, RequestError
 from engine.prune_rule import PruneRuleError
 from engine.sampling import SamplingError
+from sidecar.structured import OutputSpecError
 from sidecar.auth import Unauthenticated
 from sidecar.chat import ChatError
 from sidecar.engine_client import EngineFailed
@@ -43,7 +45,7 @@ _CODES: list[tuple[type[BaseException] | tuple[type[BaseException], ...], grpc.S
     (QuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     ((SnapshotRejected, SnapshotRolledBack), grpc.StatusCode.DATA_LOSS),
     ((InvalidRequest, TurnTooLarge, BadSessionId, ChatError, MethodError, SamplingError, ConfigError, ContextFull,
-      PruneRuleError), grpc.StatusCode.INVALID_ARGUMENT),
+      PruneRuleError, OutputSpecError, ConstraintError), grpc.StatusCode.INVALID_ARGUMENT),
     (SessionNotFound, grpc.StatusCode.NOT_FOUND),
     (SessionExists, grpc.StatusCode.ALREADY_EXISTS),
     ((SessionBusy, TurnAborted), grpc.StatusCode.ABORTED),

@@ -22,6 +22,7 @@ from sidecar.engine_results import PruneRecord, SessionInfo
 from sidecar.sessions import BadSessionId, Session, check_id
 from sidecar.limits import TurnTooLarge
 from sidecar.validation import JsonTooDeep, check_turn_bytes, loads_bounded
+from sidecar.structured import OutputSpec, OutputSpecError
 
 TIERS = {"new": pb.TIER_NEW, "gpu": pb.TIER_GPU, "host": pb.TIER_HOST, "store": pb.TIER_STORE,
          "recompute": pb.TIER_RECOMPUTE}
@@ -60,6 +61,8 @@ class TurnArgs:
     shared_prefix_messages: int | None = None
     public_prefix: bool = False
     """The shared prefix may be shared with other tenants' sessions (default: this tenant's only)."""
+    output: OutputSpec = field(default_factory=OutputSpec)
+    """response_format and tool_choice (sidecar/structured.py)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -104,7 +107,16 @@ def parse_turn(req: pb.TurnRequest, limits: Limits) -> TurnArgs:
     return TurnArgs(session_id=req.session_id, request_id=req.request_id, messages=messages, tools=tools,
                     expected_turn_index=expected, params=params, method=method_spec(req),
                     shared_prefix_messages=req.shared_prefix_messages if req.HasField("shared_prefix_messages") else None,
-                    public_prefix=req.public_prefix)
+                    public_prefix=req.public_prefix, output=output_spec(req))
+
+
+def output_spec(req: pb.TurnRequest) -> OutputSpec:
+    rf, tc = req.response_format, req.tool_choice
+    try:
+        return OutputSpec(format=rf.type, json_schema=rf.json_schema, regex=rf.regex, grammar=rf.grammar,
+                          tool_choice=tc.mode, function_name=tc.function_name)
+    except OutputSpecError as e:
+        raise InvalidRequest(str(e)) from None
 
 
 def message_dict(m: pb.Message) -> dict[str, Any]:

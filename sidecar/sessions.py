@@ -100,6 +100,11 @@ class Session:
     source_tier: str | None = None
     """Where this replica got the session: new, store or recompute."""
     tools_digest: str = ""
+    tools: list = field(default_factory=list)
+    """The tools of its first turn (``ToolSpec.openai`` dicts): what a forced tool call may call."""
+    front: dict = field(default_factory=dict)
+    """State a front end keeps with the session (the HTTP front: its transcript digest and response
+    records); msgpack-able, it travels with the snapshot."""
     ends_with_eot: bool = False
     """The history ends with the end-of-turn token (the last reply closed its turn)."""
     records: "OrderedDict[str, bytes]" = field(default_factory=OrderedDict)
@@ -123,12 +128,15 @@ class Session:
 
     def app_meta(self) -> dict[str, Any]:
         """What the sidecar keeps about the session beside the engine's record."""
-        return {"tools_digest": self.tools_digest, "created_at": self.created_at,
+        return {"tools_digest": self.tools_digest, "tools": self.tools, "front": self.front,
+                "created_at": self.created_at,
                 "requests": [[rid, blob] for rid, blob in self.records.items()],
                 "request_digests": {rid: self.request_digests[rid] for rid in self.records if rid in self.request_digests}}
 
     def load_app_meta(self, app: dict[str, Any]) -> None:
         self.tools_digest = app.get("tools_digest", "")
+        self.tools = list(app.get("tools") or [])
+        self.front = dict(app.get("front") or {})
         self.created_at = app.get("created_at", self.created_at)
         self.records = OrderedDict((rid, bytes(blob)) for rid, blob in app.get("requests", []))
         digests = app.get("request_digests") or {}
@@ -315,9 +323,9 @@ class SessionManager:
         if s.in_engine:
             await self.engine.end_session(s.key)
 
-    def adopt(self, key: str, *, tools_digest: str, info: SessionInfo) -> Session:
+    def adopt(self, key: str, *, tools_digest: str, info: SessionInfo, tools: list | None = None) -> Session:
         """Register a session the engine just made (a fork)."""
-        s = Session(key=key, in_engine=True, tools_digest=tools_digest, source_tier="new")
+        s = Session(key=key, in_engine=True, tools_digest=tools_digest, tools=list(tools or []), source_tier="new")
         s.update(info, self.end_of_turn_id)
         self._sessions[key] = s
         return s

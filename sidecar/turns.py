@@ -39,7 +39,8 @@ from sidecar.hooks import ServerHooks
 from sidecar.limits import QuotaExceeded, TenantLimits
 from sidecar.protocol import FINISH, TIERS, Limits, TurnArgs, parse_turn, tool_call_proto
 from sidecar.sessions import Running, Session, SessionManager, scoped_key
-from sidecar.tool_calls import ToolCallParser
+from sidecar.structured import tools_from_meta
+from sidecar.tool_calls import PlainText, ToolCallParser
 from sidecar.validation import check_same_request, request_digest
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ class TurnRunner:
                 for event in replay_events(recorded):
                     yield event
                 return
+        await self._constrain(s, args)
         running = self.sessions.begin_turn(s, args.request_id, digest)
         if not s.in_engine:  # a new session: recheck the quota now that it is taken (no await since)
             try:
@@ -139,6 +141,14 @@ class TurnRunner:
             await asyncio.gather(*list(self.settling), return_exceptions=True)
 
     # --- internals ---------------------------------------------------------------------------------------
+    async def _constrain(self, s: Session, args: TurnArgs) -> None:
+        """Structured output: the turn's grammar, compiled off the engine thread (which then finds it
+        cached) and before the session is taken, so a bad schema leaves the session untouched."""
+        constraint = args.output.constraint(args.tools or tools_from_meta(s.tools))
+        if constraint is not None:
+            await asyncio.to_thread(self.client.compile_grammar, constraint)
+            args.params.constraint = constraint
+
     async def _recorded(self, s: Session, request_id: str) -> bytes | None:
         if request_id in s.records:
             return s.records[request_id]
@@ -167,7 +177,8 @@ class TurnRunner:
             prefix_scope="" if args.public_prefix else f"tenant:{TenantLimits.tenant_of(key)}"))
         if new:
             s.in_engine, s.tools_digest, s.source_tier = True, digest, "new"
-        parser, text, calls = ToolCallParser(), [], []
+            s.tools = [t.openai() for t in args.tools]
+        parser, text, calls = (ToolCallParser() if args.output.parses_tools else PlainText()), [], []
         turn_index = s.turn_index
         async for delta in stream:
             events = parser.feed(delta.text)
