@@ -336,7 +336,7 @@ class SessionManager:
             raise SessionBusy(f"a turn is already running on session {s.key.split('/')[-1]!r}")
         if s.ended:
             raise SessionNotFound(f"session {s.key.split('/')[-1]!r} was ended")
-        s.running = Running(request_id, asyncio.get_running_loop().create_future(), digest)
+        s.running = Running(request_id, asyncio.get_running_loop().create_future(), digest=digest)
         return s.running
 
     def record(self, s: Session, running: Running, completion: bytes) -> None:
