@@ -243,9 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
                     scores, footprint = run_chain(engine, enc, spec_of)
                     kv = sum(f["kv_tokens"] / (LH * f["history_tokens"]) for f in footprint) / len(footprint)
                 else:
-                    scores = run_once(engine, enc, histories, starts, spec_of)
-                    ref_scores = [[q for q, (t, turn) in zip(s, [(t, tr) for t, tr in enumerate(e) if tr.question is not None])
-                                   if t > 0] for s, e in zip(ref_scores, enc)]
+                    scores = run_once(engine, enc, histories, starts, spec_of)  # every family asks after turn 1
                 t = tally(scores)
                 result["rows"].append({"config": cfg.name, "family": key[0], "size": key[1].label, **t,
                                        "agreement": agreement(ref_scores, scores), "kv_fraction": kv})

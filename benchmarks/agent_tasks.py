@@ -3,7 +3,7 @@
 Every sample is a multi-turn agent session in SmolLM2's chat format (ChatML). A turn is the new
 text the agent sends: tool output in a ``tool`` message (the role Prefix-Cache Pruning acts on),
 the assistant's fixed acknowledgement, and, on a question turn, a user question followed by the
-generation prompt and the start of the assistant's reply ("The value of key X is"), so the model
+generation prompt and the start of the assistant's reply (the record's key and colon), so the model
 generates the value itself. Turns without a question end with the acknowledgement and generate
 one token, its ``<|im_end|>`` (the engine always samples at least one). Answers are scored by
 exact match.
@@ -55,12 +55,10 @@ QUESTION = {
     "state": "What is the latest value of key {key}? Answer with the value only.",
     "shared": "What is the value of key {key}? Answer with the value only.",
 }
-ANSWER_LEAD = {
-    "needle": "The value of key {key} is",
-    "state": "The latest value of key {key} is",
-    "shared": "The value of key {key} is",
-}
-"""The assistant's reply starts with this (given, not generated): the model then generates the value."""
+ANSWER_LEAD = {"needle": "{key}:", "state": "{key}:", "shared": "{key}:"}
+"""The assistant's reply starts with this (given, not generated): the record's own prefix, so the
+model generates the value as a copy (a 135M model answering in its own words names a neighbour's
+value: "The value of key X is" was answered with the value on the line before X's)."""
 FAMILIES = tuple(QUESTION)
 
 
@@ -107,6 +105,10 @@ class Sample:
 
 
 def _keys(rng: random.Random, n: int) -> list[str]:
+    """``n`` distinct keys: single nouns while there are enough (a 135M model matches a one-word key
+    far better than an adjective_noun pair, whose halves recur in other keys), else pairs."""
+    if n <= len(NOUN):
+        return rng.sample(NOUN, n)
     pairs = rng.sample([(a, b) for a in ADJ for b in NOUN], n)
     return [f"{a}_{b}" for a, b in pairs]
 
@@ -205,7 +207,7 @@ def shared_context(size: Size, seed: int) -> Sample:
 BUILDERS = {"needle": needle, "state": running_state, "shared": shared_context}
 
 SIZES = {
-    "tiny": {"needle": [Size(2, 4), Size(4, 4)], "state": [Size(3, 4, lag=1)], "shared": [Size(3, 8)]},
+    "tiny": {"needle": [Size(2, 4), Size(4, 4)], "state": [Size(3, 3, lag=1)], "shared": [Size(3, 6)]},
     "cpu": {"needle": [Size(2, 16), Size(4, 16), Size(8, 16)],
             "state": [Size(4, 8, lag=0), Size(4, 8, lag=2)],
             "shared": [Size(5, 32)]},
