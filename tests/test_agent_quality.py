@@ -29,14 +29,14 @@ def test_families_are_seeded_and_answerable():
                 qs = s.questions
                 assert qs and all(t.question.isdigit() for _, t in qs)
                 for i, turn in qs:
-                    before = "".join(p.text for t in s.turns[:i] for p in t.pieces)
+                    before = "".join(p.text for t in s.turns[: i + 1] for p in t.pieces)  # the question turn may hold it
                     assert f": {turn.question}\n" in before + "\n" or f": {turn.question}<" in before
                     assert 0 <= turn.distance < size.turns
 
 
 def test_running_state_asks_for_the_last_update():
     s = make_samples("state", Size(5, 4, lag=2), 1, 3)[0]
-    key = s.turns[-1].pieces[-1].text.split("key ")[1].split(" is")[0]
+    key = s.turns[-1].pieces[-1].text.split("\n")[-1].rstrip(":")  # the answer starts "key:"
     updates = [line.split(": ")[1] for t in s.turns for p in t.pieces if p.role == "tool"
                for line in p.text.splitlines() if line.startswith(key + ":")]
     assert len(updates) == 3 and updates[-1] == s.turns[-1].question and len(set(updates)) == 3
@@ -48,7 +48,7 @@ def test_running_state_asks_for_the_last_update():
 def test_shared_questions_cover_different_sections():
     s = make_samples("shared", Size(5, 40), 1, 0)[0]
     doc = [line.split(": ")[0] for p in s.turns[0].pieces if p.role == "tool" for line in p.text.splitlines() if ": " in line]
-    asked = [t.pieces[-1].text.split("key ")[1].split(" is")[0] for _, t in s.questions]
+    asked = [t.pieces[-1].text.split("\n")[-1].rstrip(":") for _, t in s.questions]
     assert len(doc) == 40 and [t.distance for _, t in s.questions] == [1, 2, 3, 4]
     assert [doc.index(k) // 10 for k in asked] == [0, 1, 2, 3]
 
