@@ -93,6 +93,7 @@ def make_engine(args, prune: str) -> LLMEngine:
     return LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                                   prefill_chunk_size=args.prefill_chunk_size, max_num_batched_tokens=4 * args.prefill_chunk_size,
                                   max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb, prefix_sharing=False,
+                                  cuda_graphs=args.cuda_graphs,
                                   **PRUNE[prune]))
 
 
@@ -149,6 +150,35 @@ def summarize(rows: list[dict], configs: list[Config], budgets: list) -> tuple[l
     return summary, recommended
 
 
+def merge(paths: list[str], out: Path) -> dict:
+    """One result from runs of the same size, samples and seed: the first file's header and
+    calibration, every file's rows (the reference once), summaries recomputed."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    d = parts[0]
+    for other in parts[1:]:
+        if (other["size"], other["samples"], other["seed"]) != (d["size"], d["samples"], d["seed"]):
+            raise SystemExit("--merge: the files are runs of different samples")
+        d["rows"] += [r for r in other["rows"] if r["config"] != "reprefill"]
+        d["elapsed_s"] = d.get("elapsed_s", 0) + other.get("elapsed_s", 0)
+    names = list(dict.fromkeys(r["config"] for r in d["rows"]))
+    cfgs = [_config_of(n) for n in names]
+    d["command"] = " + ".join(p["command"] for p in parts)
+    d["summary"], d["recommended"] = summarize(d["rows"], cfgs, d["budgets"])
+    out.write_text(json.dumps(d, indent=1) + "\n")
+    return d
+
+
+def _config_of(name: str) -> Config:
+    """A Config back from its name (``reprefill``, ``dense+lag1``, ``snapkv@0.5+keep``, ``snapkv@0.25/once``)."""
+    if name == "reprefill":
+        return Config(name, "reprefill")
+    base, once = (name[:-5], True) if name.endswith("/once") else (name, False)
+    base, _, prune = base.partition("+")
+    method, _, b = base.partition("@")
+    budget = None if not b else (int(b[:-3]) if b.endswith("tok") else float(b))
+    return Config(name, "once" if once else "chain", method, budget, prune or "none")
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="cpu", choices=sorted(SIZES), help="task sizes (benchmarks/agent_tasks.py SIZES)")
@@ -164,11 +194,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--cuda-graphs", default="true", help="decode under CUDA graphs (GPU)")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: twice the longest session + 256 (kvzip's pass)")
     ap.add_argument("--prefill-chunk-size", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--kv-cache-gb", type=float, default=2.0)
     ap.add_argument("--note", default="", help="a note saved with the results")
+    ap.add_argument("--merge", nargs="+", default=None, help="merge these result files (runs of the same samples, "
+                    "e.g. one per --prunes value, split to fit a time limit) into --out instead of running")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "agent_quality_cpu.json"))
     args = ap.parse_args(argv)
     if args.full:
@@ -179,9 +212,11 @@ def main(argv: list[str] | None = None) -> dict:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     budgets = [float(b) if "." in b else int(b) for b in args.budgets.split(",") if b.strip()]
     prunes = [p.strip() for p in args.prunes.split(",") if p.strip()]
-    if not set(prunes) <= set(PRUNE) or "none" not in prunes:
-        raise SystemExit(f"--prunes takes none (required) plus lag1 and/or keep, not {args.prunes!r}")
-    configs = build_configs(methods, budgets, prunes, args.once_method or None)
+    if not prunes or not set(prunes) <= set(PRUNE):
+        raise SystemExit(f"--prunes takes none, lag1 and/or keep, not {args.prunes!r}")
+    configs = build_configs(methods, budgets, prunes, (args.once_method or None) if "none" in prunes else None)
+    if args.merge:
+        return merge(args.merge, Path(args.out))
 
     groups = {(fam, size): make_samples(fam, size, args.samples, args.seed) for fam in families for size in SIZES[args.size][fam]}
     if args.max_model_len is None:  # a generous bound from the text; exact lengths come after calibration
