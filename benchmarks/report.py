@@ -95,7 +95,7 @@ def reliability_section(d: dict) -> str:
     faults = table(d["faults"], [("fault", "fault injected"), ("count", "times"), ("sessions", "sessions"),
                                  ("sessions_lost", "sessions lost"), ("committed_turns_lost", "committed turns lost")])
     fuzz = table([{"rpc": k, "inputs": v["inputs"], "crashes": v["crashes"],
-                   "codes": ", ".join(f"{c} {n}" for c, n in sorted(v["codes"].items()))} for k, v in d["fuzz"].items()],
+                   "codes": ", ".join(f"{c} {n}" for c, n in sorted(v.get("codes", {}).items()))} for k, v in d["fuzz"].items()],
                  [("rpc", "RPC"), ("inputs", "inputs"), ("crashes", "crashes"), ("codes", "status codes")])
     load_line = (f"{load['sessions']} concurrent sessions x {load['turns_per_session']} turns "
                  f"({load['max_tokens']} tokens each) on SmolLM2 (CPU) with a {load['pool_pages']}-page pool "
