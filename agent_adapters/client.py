@@ -37,6 +37,7 @@ import grpc
 
 from agent_adapters.messages import (ChatMessage, MessageLike, TextDelta, ToolCall, ToolLike, TurnEvent, TurnResult,
                                      as_message, as_tool)
+from agent_adapters.output_format import OUTPUT_FIELDS, response_format_proto, tool_choice_proto
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
 
@@ -124,10 +125,12 @@ def build_turn_request(session_id: str, messages: Iterable[MessageLike], *, tool
                        **options: Any) -> pb.TurnRequest:
     """A TurnRequest; ``options`` are the sampling fields (max_tokens, temperature, top_k, top_p,
     seed, stop, ignore_eos) and the session's method fields (method, budget, budget_ratio,
-    method_args, shared_prefix_messages). None values are left unset (the server's defaults)."""
-    unknown = set(options) - set(SAMPLING_FIELDS) - set(METHOD_FIELDS)
+    method_args, shared_prefix_messages) and the output fields (response_format, tool_choice: see
+    ``agent_adapters.output_format``). None values are left unset (the server's defaults)."""
+    unknown = set(options) - set(SAMPLING_FIELDS) - set(METHOD_FIELDS) - set(OUTPUT_FIELDS)
     if unknown:
-        raise TypeError(f"unknown Turn option(s) {sorted(unknown)}; known: {SAMPLING_FIELDS + METHOD_FIELDS}")
+        raise TypeError(f"unknown Turn option(s) {sorted(unknown)}; known: "
+                        f"{SAMPLING_FIELDS + METHOD_FIELDS + OUTPUT_FIELDS}")
     req = pb.TurnRequest(session_id=session_id, request_id=uuid.uuid4().hex if request_id is None else request_id,
                          messages=[as_message(m).to_proto() for m in messages],
                          tools=[as_tool(t).to_proto() for t in tools])
@@ -140,6 +143,10 @@ def build_turn_request(session_id: str, messages: Iterable[MessageLike], *, tool
             req.stop.extend([value] if isinstance(value, str) else value)
         elif key == "method_args":
             req.method_args.update({k: str(v) for k, v in value.items()})
+        elif key == "response_format":
+            req.response_format.CopyFrom(response_format_proto(value))
+        elif key == "tool_choice":
+            req.tool_choice.CopyFrom(tool_choice_proto(value))
         else:
             setattr(req, key, value)
     return req
