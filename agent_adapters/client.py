@@ -16,7 +16,9 @@ Retries. Every Turn carries a ``request_id`` (a fresh one unless the caller give
 sends the same id, so the server either replays the recorded result (``TurnResult.replayed``)
 or, when the first attempt never finished (it was rolled back), runs the turn once. Retried:
 UNAVAILABLE (a dropped connection, a replica shutting down, the store behind) and, on a retry,
-ABORTED (the first attempt is still being rolled back). A stream that broke after some events
+ABORTED (the first attempt is still being rolled back). ABORTED "a turn is already running" (the
+session is busy with another turn; the request was not started) is retried for every call, with
+backoff, until the deadline. A stream that broke after some events
 resumes without repeating them: the retried stream's text must extend what was delivered (it does
 for a replay; a re-run that sampled differently raises ``StreamDiverged``). ``request_id=""``
 turns replay off and with it retries.
@@ -42,6 +44,8 @@ from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos")
+BUSY_DETAILS = "a turn is already running"
+"""How the sidecar's ABORTED for a busy session begins (sidecar/sessions.py SessionBusy)."""
 METHOD_FIELDS = ("method", "budget", "budget_ratio", "method_args", "shared_prefix_messages")
 
 
@@ -76,6 +80,11 @@ def _retryable(code: grpc.StatusCode, attempt: int) -> bool:
     return code is grpc.StatusCode.UNAVAILABLE or (code is grpc.StatusCode.ABORTED and attempt > 0)
 
 
+def _busy(e: grpc.RpcError) -> bool:
+    """The session had a turn running: the request was turned away before anything was done."""
+    return e.code() is grpc.StatusCode.ABORTED and (e.details() or "").startswith(BUSY_DETAILS)
+
+
 # session RPCs are safe to repeat except these two (a repeat would fork or prune twice)
 _NOT_REPEATABLE = ("ForkSession", "PruneHistory")
 
@@ -101,12 +110,16 @@ class _Attempts:
 
     def backoff_after(self, e: grpc.RpcError) -> float:
         """The seconds to wait before retrying the attempt that failed with ``e``; raises ChainKVError
-        (with the number of attempts made) when ``e`` is final."""
+        (with the number of attempts made) when ``e`` is final. A busy session (ABORTED, "a turn is
+        already running") is retried whatever the call, since the server did nothing with it, until
+        the deadline (or, without one, max_attempts)."""
         attempt = self.count - 1
         wait = None
-        if self.repeatable and _retryable(e.code(), attempt) and attempt + 1 < self.policy.max_attempts:
-            wait = self.policy.backoff(attempt + 1)
-            if self.deadline is not None and time.monotonic() + wait >= self.deadline:
+        busy = _busy(e)
+        if busy or (self.repeatable and _retryable(e.code(), attempt)):
+            if attempt + 1 < self.policy.max_attempts or (busy and self.deadline is not None):
+                wait = self.policy.backoff(attempt + 1)
+            if wait is not None and self.deadline is not None and time.monotonic() + wait >= self.deadline:
                 wait = None
         if wait is None:
             raise ChainKVError(e.code(), e.details() or "", self.count) from None

@@ -98,7 +98,7 @@ def _lc_tool_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
 class ChatChainKV(BaseChatModel):
     """A LangChain chat model served by a chainkv sidecar over gRPC."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
     target: str = "127.0.0.1:50051"
     """The sidecar's address."""
@@ -107,8 +107,9 @@ class ChatChainKV(BaseChatModel):
     token: str | None = None
     """Bearer token, when the sidecar has auth on."""
     tls_ca: str | None = None
-    timeout_s: float | None = 300.0
-    """Deadline of one call, retries included."""
+    timeout_s: float | None = Field(default=300.0, alias="timeout")
+    """Deadline of one call in seconds, retries included (also ``timeout=``, LangChain's name, at
+    construction or per call)."""
     max_retries: int = 3
     model_name: str = "chainkv"
     # sampling (the sidecar's SamplingParams names)
@@ -222,7 +223,10 @@ class ChatChainKV(BaseChatModel):
         options = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k,
                    "top_p": self.top_p, "seed": self.seed, "stop": stop if stop is not None else self.stop,
                    "method": self.method, "budget": self.budget, "budget_ratio": self.budget_ratio,
-                   "method_args": self.method_args or None, "response_format": None, "tool_choice": None}
+                   "method_args": self.method_args or None, "response_format": None, "tool_choice": None,
+                   "timeout_s": None}
+        if "timeout" in kwargs:
+            kwargs["timeout_s"] = kwargs.pop("timeout")
         options.update({k: v for k, v in kwargs.items() if k in options})
         return key, [to_chat_message(m) for m in messages], tools, options
 
