@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "--method-arg pattern=FILE")
     add_engine_args(cal)
 
-    demo = sub.add_parser("demo", help="run a multi-turn, tool-using session against a running sidecar")
+    demo = sub.add_parser("demo", help="run a multi-turn session with real tool round trips (forced tool choice) "
+                                       "against a running sidecar")
     demo.add_argument("--target", default="127.0.0.1:50051", help="the sidecar's address")
     demo.add_argument("--session", default=None, help="session id (default: a new random one)")
     demo.add_argument("--max-tokens", type=int, default=96)
