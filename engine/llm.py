@@ -25,6 +25,9 @@ from engine.cache.pages import PagePool
 from engine.config import ConfigError, EngineConfig
 from engine.controller import SparseController
 from engine.lifecycle import MethodSpec, ModelShape, SeqInfo
+from engine.distributed.layers import TensorParallelLlama
+from engine.distributed.sharding import shard_layout
+from engine.distributed.snapshots import for_rank as snapshot_for_rank
 from engine.methods import get_method_class
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import (ModelConfig, load_hf_config, load_tokenizer, parse_hf_config, read_safetensors,
@@ -85,14 +88,22 @@ class LLMEngine:
             self.max_model_len = mc.sliding_window
         self.tokenizer = load_tokenizer(self.model_dir)
 
-        self.model = LlamaForCausalLM.create(mc, self.hf_config, self.max_model_len, self.dtype, self.device)
+        self.shard = shard_layout(config, mc)
+        """This rank's part of the model at tensor_parallel_size > 1 (engine/distributed); None: all of it."""
+        if self.shard is None:
+            self.model = LlamaForCausalLM.create(mc, self.hf_config, self.max_model_len, self.dtype, self.device)
+        else:
+            self.model = TensorParallelLlama.create_shard(mc, self.shard, self.hf_config, self.max_model_len,
+                                                          self.dtype, self.device)
+        num_heads, num_kv_heads = (mc.num_heads, mc.num_kv_heads) if self.shard is None else \
+            (self.shard.num_heads, self.shard.num_kv_heads)  # a rank caches only its own kv-heads
         if random_weights:
             self.model.init_random(seed=config.seed)
         else:
             self.model.load_weights(read_safetensors(self.model_dir))
         self.model.eval()
 
-        self.shape = ModelShape(num_layers=mc.num_layers, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
+        self.shape = ModelShape(num_layers=mc.num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                 head_dim=mc.head_dim, page_size=config.page_size,
                                 rope_cos=self.model.rope_cos, rope_sin=self.model.rope_sin, device=self.device)
         slots = config.max_cached_seqs or 4 * config.max_num_seqs
@@ -101,16 +112,16 @@ class LLMEngine:
         fmt = make_format(layout.format, layout.args, config.page_size, mc.head_dim, self.dtype)
         # formats with full-precision pages (kivi: the open page and the residual window) get
         # ``staging_per_head`` staging pages per cached head
-        max_open = slots * mc.num_layers * mc.num_kv_heads * fmt.staging_per_head + 1 if fmt.staging_per_head else 0
+        max_open = slots * mc.num_layers * num_kv_heads * fmt.staging_per_head + 1 if fmt.staging_per_head else 0
         self.pool = PagePool(self._num_pages(fmt, max_open), config.page_size, mc.head_dim, self.dtype, self.device,
                              format=fmt, max_open_pages=max_open)
-        self.manager = CacheManager(self.pool, mc.num_layers, mc.num_kv_heads, slots, self.max_model_len)
+        self.manager = CacheManager(self.pool, mc.num_layers, num_kv_heads, slots, self.max_model_len)
         self.controller = SparseController(self.shape, self.manager)
         self.controller.method_for(self.default_spec)  # a bad method setting fails here, not on the first request
         self.scheduler = Scheduler(config, self.manager, self.controller)
         self.backend = self._backend()
         graphs = None
-        if self.device.type == "cuda" and config.cuda_graphs and self.backend.name == "triton" and fmt.plain:
+        if self.device.type == "cuda" and config.cuda_graphs and self.shard is None and self.backend.name == "triton" and fmt.plain:
             from engine.cuda_graphs import DecodeGraphs
 
             graphs = DecodeGraphs(self.model, self.manager, config.max_num_seqs, self.backend.num_sms)
@@ -268,7 +279,9 @@ class LLMEngine:
         return self.chains.snapshot(session_id, with_kv)
 
     def load_session(self, snapshot, source: Tier = Tier.STORE) -> None:
-        self.chains.load(snapshot, source)
+        """Make a session from a snapshot (one made at any tensor_parallel_size: re-sharded here)."""
+        rank = 0 if self.shard is None else self.shard.rank
+        self.chains.load(snapshot_for_rank(snapshot, self.config.tensor_parallel_size, rank), source)
 
     def add_prefilled_request(self, num_tokens: int, kv_tokens: int | torch.Tensor, params: SamplingParams,
                               method: MethodSpec | None = None, seed: int = 0) -> Hashable:

@@ -9,6 +9,10 @@ line: the top layer gets ``min = (B - w) / beta``, the bottom layer ``max = 2 (B
 layers' budgets add up to exactly ``num_layers * B`` (rounded by largest remainder). Every kv-head
 of a layer keeps the layer's budget; the freed pages go back to the pool.
 
+Tensor parallelism: no communication. The allocation is across layers, not heads, and is computed
+from values every rank has (layers, budget, window, context length); each kv-head ranks its own
+tokens as in snapkv.
+
 Parameters:
     budget / budget_ratio   average tokens kept per (layer, kv-head), window included; required
     window_size = 64        observation window (kvpress' default)

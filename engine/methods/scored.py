@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cache.manager import to_device
+from engine.distributed import group
 from engine.lifecycle import ChunkInfo, PrefillChunk, SparseMethod
 
 
@@ -107,6 +108,10 @@ class ScoredEviction(SparseMethod, ABC):
     """Base of the prefill-end eviction methods: score each head's tokens, keep the top."""
 
     needs_budget = True
+    spans_heads = False
+    """The rule reads every head of a layer (a mean or a top-k across heads). Under tensor
+    parallelism a layer's heads are split over ranks, so such a method runs a collective, and the
+    decision whether a layer is compressed at all is taken over every rank's heads."""
 
     # --- the rule (subclasses) ---------------------------------------------------------------
     def kept_tokens(self, num_tokens: int) -> int:
@@ -142,7 +147,10 @@ class ScoredEviction(SparseMethod, ABC):
         if not chunk.is_last:
             return None
         budgets = self.layer_budgets(layer, chunk.lengths, chunk.num_tokens)
-        if all(int(n) <= b for n, b in zip(chunk.lengths, budgets)):
+        due = any(int(n) > b for n, b in zip(chunk.lengths, budgets))
+        if self.spans_heads:  # every rank scores (a collective) or none does
+            due = group.any_rank(due)
+        if not due:
             return None
         keep = self.select(layer, self.score(layer, chunk), chunk.lengths, chunk.num_tokens)
         self.on_kept(layer, chunk.seq_id, keep)
