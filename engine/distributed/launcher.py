@@ -20,6 +20,7 @@ import socket
 import time
 from typing import Any, Callable
 
+import torch
 import torch.multiprocessing as mp
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,9 @@ def run_rank(rank: int, size: int, port: int, config_dict: dict, target: Callabl
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size),
                       MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port))
     config = EngineConfig.from_dict(config_dict)
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        # the CPU's cores are shared by the ranks: more threads than cores spin against each other
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     group.init_tensor_parallel(size, config.device)
     try:
         engine = LLMEngine(config, random_weights=random_weights)
