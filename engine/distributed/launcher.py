@@ -42,6 +42,8 @@ def run_rank(rank: int, size: int, port: int, config_dict: dict, target: Callabl
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size),
                       MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port))
+    if rank > 0:  # a terminal's Ctrl-C reaches every process: rank 0 drains, then releases the followers
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = EngineConfig.from_dict(config_dict)
     if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
         # the CPU's cores are shared by the ranks: more threads than cores spin against each other
