@@ -7,6 +7,10 @@ heads, 2 kv-heads: one kv-head per rank).
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 
@@ -15,7 +19,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.distributed.launcher import launch
 from engine.distributed.sharding import ShardingError, ShardLayout
 from engine.lifecycle import MethodSpec
-from engine.llm import LLMEngine
+from engine.llm import LLMEngine, RequestError
 from engine.model.loader import load_hf_config, parse_hf_config
 from engine.sampling import SamplingParams
 
@@ -47,6 +51,10 @@ def scenarios(engine, out_path: str | None = None) -> dict:
     out = engine.generate(_prompt(40, 1), SamplingParams(max_tokens=4, ignore_eos=True, prompt_logits=True,
                                                           return_logits=True))[0]
     res["prompt_logits"], res["step_logits"] = out.prompt_logits, out.step_logits
+    try:  # refused on every rank alike: rank 0 reports it, the followers carry on
+        engine.add_request([5, 10**6], GREEDY)
+    except RequestError as e:
+        res["bad_request"] = str(e)
     prompts = [_prompt(100, 2), _prompt(80, 3)]
     for spec in METHODS:  # two requests batched together, so decode steps mix sequences
         res[f"tokens.{spec.method}"] = [o.token_ids for o in engine.generate(prompts, GREEDY, method=spec)]
@@ -82,6 +90,7 @@ slow_tp = pytest.mark.slow  # spawns 2 processes (imports dominate: ~10-40 s on 
 
 @slow_tp
 def test_logits_equal(tp1, tp2):
+    assert "token ids" in tp2["bad_request"]
     torch.testing.assert_close(tp2["prompt_logits"], tp1["prompt_logits"], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(tp2["step_logits"], tp1["step_logits"], atol=1e-4, rtol=1e-4)
 
@@ -125,3 +134,25 @@ def test_layout_and_config_errors(tiny):
         EngineConfig(tensor_parallel_size=0)
     with pytest.raises(RuntimeError, match="launcher"):
         LLMEngine(_config(tiny, 2))  # not in a process group
+
+
+def kill_a_follower_then_step(engine) -> None:
+    """Rank 0: SIGKILL the other rank (a sibling under the launcher), then keep stepping."""
+    launcher = os.getppid()
+    with open(f"/proc/{launcher}/task/{launcher}/children") as f:
+        siblings = [int(p) for p in f.read().split() if int(p) != os.getpid()]
+    engine.add_request(_prompt(30, 1), SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    for pid in siblings:
+        os.kill(pid, signal.SIGKILL)
+    while True:  # the next collective fails (or the launcher stops this rank first)
+        engine.step()
+
+
+@slow_tp
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"), reason="needs /proc children")
+def test_dying_rank_takes_the_group_down(tiny):
+    t0 = time.monotonic()
+    code = launch(_config(tiny, 2), kill_a_follower_then_step)
+    assert code != 0  # the server exits with an error (a supervisor restarts it); nothing hangs
+    assert time.monotonic() - t0 < 600
