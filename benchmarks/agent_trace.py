@@ -340,6 +340,8 @@ def main() -> None:
     ap.add_argument("--count-syncs", action="store_true", help="with --profile host: count host<->device syncs by line")
     ap.add_argument("--torch-profile-steps", type=int, default=0,
                     help="with --profile: trace this many eager prefill passes per configuration with torch's profiler")
+    ap.add_argument("--torch-profile-from", type=int, default=3,
+                    help="... starting at this prefill pass of the configuration (later passes meet longer histories)")
     ap.add_argument("--out", default="benchmarks/results/agent_trace_cpu.json")
     add_engine_args(ap)
     args = ap.parse_args()
@@ -356,7 +358,7 @@ def main() -> None:
         if engine is None:
             raise SystemExit("--profile needs the in-process sidecar (no --target)")
         profile = ServingProfile(engine, args.profile, count_syncs=args.count_syncs,
-                                 torch_steps=args.torch_profile_steps)
+                                 torch_steps=args.torch_profile_steps, torch_from=args.torch_profile_from)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     extra = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),

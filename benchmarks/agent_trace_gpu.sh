@@ -15,7 +15,7 @@
 # Configurations the sidecar's registry does not have yet (snapkv, quest before they are merged)
 # are skipped with a message; CONFIGS=... overrides the list, QUICK=1 runs a small trace, MEDIUM=1 a middle one,
 # PROFILE_TRACE=1 a shorter middle one; PROFILE=sync|host adds the engine-thread profile (serving_profile.py,
-# TORCH_STEPS=N traces N prefill passes per configuration with torch's profiler), NAME=... names the output
+# TORCH_STEPS=N traces N prefill passes per configuration with torch's profiler, from the TORCH_FROM-th), NAME=... names the output
 # files, ARGS="..." appends agent_trace.py flags. SCALE=1 runs the many-session, long-context trace twice:
 # with 24 GB of KV (NAME_pool24) and with the whole pool (NAME_full; SCALE_FULL=0 skips it), each cut at
 # SCALE_TIMEOUT_S seconds (the JSON keeps every configuration that finished).
@@ -30,7 +30,7 @@ fi
 configs=${CONFIGS:-nochain,dense,snapkv,quest,dense+prune,snapkv+prune}
 extra=()
 if [ -n "${PROFILE:-}" ]; then
-  extra+=(--profile "$PROFILE" --torch-profile-steps "${TORCH_STEPS:-0}")
+  extra+=(--profile "$PROFILE" --torch-profile-steps "${TORCH_STEPS:-0}" --torch-profile-from "${TORCH_FROM:-3}")
   [ "$PROFILE" = host ] && extra+=(--count-syncs)
 fi
 run_trace() {  # NAME, then agent_trace.py flags; cut at RUN_TIMEOUT_S seconds when set

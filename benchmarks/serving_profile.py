@@ -42,7 +42,9 @@ SPANS = [
     ("controller", "after_decode", "method.after_decode"),
     ("controller", "on_turn_end", "method.on_turn_end"),
     ("controller", "after_scoring", "method.after_scoring"),
-    ("manager", "evict_many", "evict.compact"),
+    ("manager", "compact", "evict.compact"),
+    ("manager", "compact_mask", "evict.compact_mask"),
+    ("manager", "compact_seq", "evict.compact_seq"),
     ("backend", "prefill", "attention.prefill"),
     ("backend", "decode", "attention.decode"),
     ("chains", "start_turn", "turn.start"),
@@ -59,7 +61,8 @@ COUNTERS = ("forward_passes", "graph_steps", "preemptions", "swaps", "demotions"
 
 
 class ServingProfile:
-    def __init__(self, engine: Any, mode: str = "sync", count_syncs: bool = False, torch_steps: int = 0):
+    def __init__(self, engine: Any, mode: str = "sync", count_syncs: bool = False, torch_steps: int = 0,
+                 torch_from: int = 3):
         import torch
 
         if mode not in ("sync", "host"):
@@ -70,7 +73,9 @@ class ServingProfile:
         self._sync = torch.cuda.synchronize if (self.cuda and mode == "sync") else (lambda: None)
         self.count_syncs = count_syncs and self.cuda
         self.torch_steps = torch_steps
-        """Trace this many eager steps with prefill (from the 3rd) per configuration with torch's profiler."""
+        """Trace this many eager steps with prefill per configuration with torch's profiler, ..."""
+        self.torch_from = torch_from
+        """... from this one on (the 3rd by default; later ones see sessions with long histories)."""
         self._local = threading.local()
         self._thread: int | None = None  # the engine thread (the first one to run a step)
         self.reset()
@@ -148,11 +153,11 @@ class ServingProfile:
                 self.steps += 1
 
     def _traced_step(self, run):
-        """Eager passes with prefill chunks: the 3rd to the (2 + torch_steps)th under torch's profiler."""
+        """Eager passes with prefill chunks: torch_steps of them from the torch_from-th under torch's profiler."""
         import torch
 
         self._prefill_steps += 1
-        if self._traced >= self.torch_steps or self._prefill_steps < 3:
+        if self._traced >= self.torch_steps or self._prefill_steps < self.torch_from:
             return run()
         if self._prof is None:
             acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if self.cuda else [])

@@ -28,7 +28,7 @@ import torch
 from engine.cache.manager import to_device
 from engine.lifecycle import ChunkInfo, DecodeBatch, MethodError, PrefillChunk
 from engine.methods.decode_window import DecodeWindow, window_probs
-from engine.methods.scored import ScoredEviction, force_keep, pool_1d, topk_per_head
+from engine.methods.scored import ScoredEviction, pool_1d, topk_per_head
 
 
 @dataclass
@@ -41,21 +41,23 @@ class SnapKVParams:
 
 def snapkv_scores(probs: torch.Tensor, lengths: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
     """SnapKV's score from window probabilities ``[Hq, w, T]``: ``[H, T]``, the window (the last w
-    tokens of each head) forced to the top, -inf past each head's end.
+    tokens of each head) ranked above every other token, later ones higher, -inf past each head's end.
 
     All heads at once: each head's prefix (its tokens before the window) is pooled as if on its own
-    — past it the row holds the pooling's own padding (0 for avgpool, -inf for maxpool)."""
+    — past it the row holds the pooling's own padding (0 for avgpool, -inf for maxpool). A handful of
+    kernels per layer (this runs for every layer of every compressed prompt)."""
     Hq, w, T = probs.shape
     H = len(lengths)
-    G = Hq // H
     Tmax = int(lengths.max())  # host lengths: no device sync
     n = to_device(lengths, probs.device)[:, None]
     t = torch.arange(Tmax, device=probs.device)[None, :]
     prefix = t < (n - w).clamp(min=0)  # [H, Tmax]
-    summed = probs[..., :Tmax].float().sum(1)  # [Hq, T]
-    summed = summed.masked_fill(~prefix.repeat_interleave(G, 0), float("-inf") if pooling == "maxpool" else 0.0)
-    pooled = pool_1d(summed, kernel_size, pooling).reshape(H, G, Tmax).mean(1)
-    return force_keep(pooled.masked_fill(~prefix, float("-inf")), ~prefix & (t < n))
+    summed = probs[..., :Tmax].float().sum(1).view(H, Hq // H, Tmax)
+    summed = summed.masked_fill(~prefix[:, None], float("-inf") if pooling == "maxpool" else 0.0)
+    pooled = pool_1d(summed, kernel_size, pooling).mean(1).masked_fill(~prefix, float("-inf"))
+    # a pooled score is at most a sum of w probabilities, <= w: the window's ramp above w + 1 outranks it
+    ramp = (w + 1.0) + t / max(Tmax, 1)
+    return torch.where(~prefix & (t < n), ramp, pooled)
 
 
 class SnapKV(ScoredEviction):
