@@ -121,7 +121,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.manager, self.controller)
         self.backend = self._backend()
         graphs = None
-        if self.device.type == "cuda" and config.cuda_graphs and self.shard is None and self.backend.name == "triton" and fmt.plain:
+        graphs_ok = config.cuda_graphs and self.shard is None  # TP ranks decode eagerly
+        if self.device.type == "cuda" and graphs_ok and self.backend.name == "triton" and fmt.plain:
             from engine.cuda_graphs import DecodeGraphs
 
             graphs = DecodeGraphs(self.model, self.manager, config.max_num_seqs, self.backend.num_sms)
