@@ -156,3 +156,22 @@ def test_dying_rank_takes_the_group_down(tiny):
     code = launch(_config(tiny, 2), kill_a_follower_then_step)
     assert code != 0  # the server exits with an error (a supervisor restarts it); nothing hangs
     assert time.monotonic() - t0 < 600
+
+
+@slow_tp
+def test_rank0_serves_grpc(tmp_path):
+    """``chainkv serve --tensor-parallel-size 3`` on SmolLM2 (3 kv-heads: one per rank): rank 0 serves
+    two turns of a session (the second reuses the first's KV) and SIGTERM drains and exits 0."""
+    from sidecar_proc import Sidecar, request, run
+
+    sidecar = Sidecar(f"file://{tmp_path}", "--tensor-parallel-size", "3").start()
+    try:
+        sidecar.wait_ready(600)
+        first = run(sidecar.stub, request("tp-session", [("user", "Say hello.")]))
+        second = run(sidecar.stub, request("tp-session", [("user", "And again.")]))
+        assert len(first.token_ids) == len(second.token_ids) == 8
+        assert second.usage.reused_tokens > 0
+        assert sidecar.signal(signal.SIGTERM, timeout=120) == 0
+    finally:
+        if sidecar.proc.poll() is None:
+            sidecar.proc.kill()

@@ -8,7 +8,7 @@ watches its children: when rank 0 returns, the followers are released and joined
 exits with an error (or is killed), the remaining ranks are terminated and :func:`launch`
 returns that rank's non-zero exit code, so a supervisor (Kubernetes) restarts the whole server
 and sessions resume from the store. SIGTERM/SIGINT to the parent are passed to rank 0, which
-drains and shuts the group down.
+drains and shuts the group down. A rank dies with the launcher (Linux: PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def run_rank(rank: int, size: int, port: int, config_dict: dict, target: Callabl
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size),
                       MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port))
+    _die_with_parent()
     if rank > 0:  # a terminal's Ctrl-C reaches every process: rank 0 drains, then releases the followers
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = EngineConfig.from_dict(config_dict)
@@ -61,6 +62,18 @@ def run_rank(rank: int, size: int, port: int, config_dict: dict, target: Callabl
             follow(engine)
     finally:
         group.shutdown()
+
+
+def _die_with_parent() -> None:
+    """Linux: this rank gets SIGKILL when the launcher dies (even by SIGKILL), so no rank outlives
+    the server (a rank 0 still holding the port, followers blocked in a collective)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own exit path still stops the ranks
 
 
 def launch(config, target: Callable[..., Any], *args: Any, random_weights: bool = False,
