@@ -155,7 +155,12 @@ def agent_trace_section(d: dict, stem: str) -> str:
             ("mean_jct_s", "JCT s"), ("makespan_s", "makespan s"), ("prefilled_tokens", "prefilled"),
             ("reused_tokens", "reused"), ("pruned_tokens", "pruned"), ("final_kv_tokens", "final KV entries"),
             ("speedup", "speedup (busy)"), ("makespan_speedup", "speedup (makespan)")]
-    parts = [f"## Agent traces over gRPC ({'GPU' if 'gpu' in stem else 'CPU'})",
+    if any("makespan_speedup_vs_dense" in r for r in rows):  # against dense chain caching, the strongest baseline
+        cols += [("speedup_vs_dense", "x dense chain (busy)"), ("makespan_speedup_vs_dense", "x dense chain (makespan)")]
+    title = f"Agent traces over gRPC ({'GPU' if 'gpu' in stem else 'CPU'})"
+    if stem not in ("agent_trace_cpu", "agent_trace_gpu"):
+        title += f": {stem}"
+    parts = [f"## {title}",
              f"`benchmarks/agent_trace.py` on {where}, {model}: {t['sessions']} sessions x {t['turns']} turns at "
              f"concurrency {d['concurrency']}; a shared {t['system_words']}-word system prompt, tool outputs lognormal "
              f"(median {t['tool_median']} words, sigma {t['tool_sigma']}), {t['output_tokens']} output tokens per turn "
@@ -257,6 +262,8 @@ def main() -> None:
     for path in sorted(RESULTS.glob("*.json")):
         d = json.loads(path.read_text())
         render = RENDERERS.get(path.stem)
+        if render is None and path.stem.startswith("agent_trace") and "rows" in d and "trace" in d:
+            render = lambda d, stem=path.stem: agent_trace_section(d, stem)  # noqa: E731
         parts.append(render(d) if render else generic_section(path.stem, d))
     DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text("\n\n".join(p for p in parts if p) + "\n")

@@ -22,23 +22,24 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-# (object attribute on the engine, method name, span name); a span's name says what it is in the
+# (object attribute path on the engine, method name, span name); a span's name says what it is in the
 # serving path, so the report reads without the code beside it
 SPANS = [
     (None, "step", "step"),
     ("scheduler", "schedule", "schedule"),
     ("scheduler", "_preempt", "schedule.preempt"),
-    ("chains", "reclaim", "tiers.reclaim_pages"),
-    ("chains", "reclaim_slot", "tiers.reclaim_slot"),
-    ("chains", "_demote", "tiers.demote_to_host"),
-    ("chains", "restore", "tiers.restore_to_device"),
+    ("chains.tiers", "reclaim", "tiers.reclaim_pages"),
+    ("chains.tiers", "reclaim_slot", "tiers.reclaim_slot"),
+    ("chains.tiers", "demote", "tiers.demote_to_host"),
+    ("chains.tiers", "restore", "tiers.restore_to_device"),
     ("runner", "execute", "forward.eager"),
     ("runner", "_execute_graph", "forward.graph"),
     ("runner", "launch_decode", "forward.graph_async"),
     ("runner", "scoring_pass", "method.scoring_pass"),
     ("controller", "after_prefill_chunk", "method.after_prefill_chunk"),
     ("controller", "apply_pending_evictions", "evict.apply_prefill_decisions"),
-    ("controller", "decode_view", "method.decode_view"),
+    ("controller", "decode_selections", "method.decode_view"),
+    ("controller", "move_tiers", "tiers.offload_fetch"),
     ("controller", "after_decode", "method.after_decode"),
     ("controller", "on_turn_end", "method.on_turn_end"),
     ("controller", "after_scoring", "method.after_scoring"),
@@ -51,7 +52,7 @@ SPANS = [
     ("chains", "finish_turn", "turn.finish"),
     ("chains", "_auto_prune", "turn.auto_prune"),
     ("chains", "prune", "prune"),
-    (None, "_complete", "step.read_tokens"),
+    ("loop", "_complete", "step.read_tokens"),
     (None, "add_turn", "cmd.add_turn"),
     (None, "session_info", "cmd.session_info"),
     (None, "end_session", "cmd.end_session"),
@@ -80,7 +81,7 @@ class ServingProfile:
         self._thread: int | None = None  # the engine thread (the first one to run a step)
         self.reset()
         for owner, attr, name in SPANS:
-            obj = engine if owner is None else getattr(engine, owner, None)
+            obj = engine if owner is None else functools.reduce(lambda o, a: getattr(o, a, None), owner.split("."), engine)
             if obj is not None and hasattr(obj, attr):
                 setattr(obj, attr, self._wrap(getattr(obj, attr), name))
 

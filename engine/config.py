@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.prune_rule import PruneRuleError, check_policy, check_settings
+
 
 class ConfigError(ValueError):
     """A setting is missing, unknown or out of range."""
@@ -113,12 +115,11 @@ class EngineConfig:
         _check(self.host_cache_gb >= 0, f"host_cache_gb must be >= 0, not {self.host_cache_gb}")
         if isinstance(self.prune_roles, str):
             self.prune_roles = [r.strip() for r in self.prune_roles.split(",") if r.strip()]
-        _check(self.prune_lag is None or self.prune_lag >= 0, f"prune_lag must be >= 0, not {self.prune_lag}")
-        _check(self.prune_trigger_tokens is None or self.prune_trigger_tokens >= 1, "prune_trigger_tokens must be >= 1")
-        _check(self.prune_policy in ("drop", "keep_ratio"), f"prune_policy must be drop or keep_ratio, not {self.prune_policy!r}")
-        _check(0 <= self.prune_keep_ratio <= 1, f"prune_keep_ratio must be in [0, 1], not {self.prune_keep_ratio}")
-        _check(self.prune_scope in ("global", "per_head"), f"prune_scope must be global or per_head, not {self.prune_scope!r}")
-        _check(self.prune_window >= 1, f"prune_window must be >= 1, not {self.prune_window}")
+        try:
+            check_settings(self.prune_lag, self.prune_trigger_tokens, self.prune_window)
+            check_policy(self.prune_policy, self.prune_keep_ratio, self.prune_scope)
+        except PruneRuleError as e:
+            raise ConfigError(str(e)) from None
         for name in ("prefix_sharing", "cuda_graphs", "async_decode"):
             if isinstance(getattr(self, name), str):
                 setattr(self, name, getattr(self, name).lower() in ("1", "true", "yes", "on"))

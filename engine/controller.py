@@ -118,10 +118,19 @@ class SparseController:
         steps'), every layer of every sequence in one compaction."""
         pending, self._pending = self._pending, []
         self._compact(pending)
+        for method in self._deferring_methods():
+            decided = method.after_prefill_pass()
+            if decided is not None and decided.seq_ids:
+                self._compact_mask(decided)
 
     def drop_pending_evictions(self) -> None:
         """The pass failed: its decisions are dropped (the cache keeps those tokens)."""
         self._pending = []
+        for method in self._deferring_methods():
+            method.after_prefill_pass()
+
+    def _deferring_methods(self) -> list[SparseMethod]:
+        return [m for m in self._instances.values() if _overrides(m, "after_prefill_pass")]
 
     # --- scoring pass (after a turn's prefill) -----------------------------------------------------
     def wants_scoring_pass(self, seq_id: SeqId) -> bool:
@@ -136,6 +145,10 @@ class SparseController:
     def after_scoring(self, seq_id: SeqId, num_tokens: int) -> None:
         per_layer = self._method_of[seq_id].after_scoring(self._info(seq_id, num_tokens)) or {}
         self._compact([(seq_id, layer, keep) for layer, keep in per_layer.items()])
+
+    def protected_len(self, seq_id: SeqId) -> int:
+        """Leading tokens of ``seq_id`` that compactions keep (a shared prefix)."""
+        return self._protected.get(seq_id, 0)
 
     def _info(self, seq_id: SeqId, num_tokens: int) -> SeqInfo:
         return SeqInfo(seq_id, num_tokens, self._protected.get(seq_id, 0))
@@ -178,13 +191,17 @@ class SparseController:
     def decode_needs_probs_at(self, groups, layer: int) -> bool:
         return any(m.needs_decode_probs and m.needs_decode_probs_at(layer) for m, _ in groups)
 
-    def decode_view(self, layer: int, groups, batch: DecodeBatch) -> Selection | None:
-        """Merge the selections of every method in the batch into batch-wide tensors."""
+    def decode_selections(self, layer: int, groups, batch: DecodeBatch) -> list[tuple[list[int], Selection]]:
+        """Each method's selection for its rows of a decode step, ``[(rows, selection)]`` (methods
+        that select nothing this step left out). Nothing moves: the caller carries out the
+        selections' tier moves (``move_tiers``), then merges them (``merge_selections``)."""
         parts = [(rows, m.decode_view(layer, _rows(batch, rows))) for m, rows in groups if _overrides(m, "decode_view")]
-        parts = [(rows, sel) for rows, sel in parts if sel is not None]
+        return [(rows, sel) for rows, sel in parts if sel is not None]
+
+    def merge_selections(self, parts, batch: DecodeBatch) -> Selection | None:
+        """Merge the selections of every method in the batch into batch-wide tensors."""
         if not parts:
             return None
-        self._move_tiers(layer, parts, batch)
         B, H = batch.lengths.shape
         dev = batch.q.device
         merged = Selection()
@@ -216,9 +233,11 @@ class SparseController:
             merged.token_mask = mask
         return merged
 
-    def _move_tiers(self, layer: int, parts, batch: DecodeBatch) -> None:
-        """Carry out the offload decisions: pages in ``to_host`` leave the device, then selected
-        pages that sit on the host are fetched back, so GPU pages in use stay bounded."""
+    def move_tiers(self, layer: int, parts, batch: DecodeBatch) -> bool:
+        """Carry out the offload decisions of ``decode_selections``: pages in ``to_host`` leave the
+        device, then selected pages that sit on the host are fetched back, so GPU pages in use stay
+        bounded. True when page tables may have changed (the caller builds its view again)."""
+        moved = self.manager.has_host_tier or any(sel.to_host is not None for _, sel in parts)
         for rows, sel in parts:
             if sel.to_host is None and not self.manager.has_host_tier:
                 continue
@@ -228,6 +247,7 @@ class SparseController:
                     self.manager.offload_pages(seq_id, layer, sel.to_host[j].cpu())
                 if sel.selected_pages is not None and self.manager.num_host_pages(seq_id, layer):
                     self.manager.fetch_pages(seq_id, layer, sel.selected_pages[j].cpu())
+        return moved
 
     def after_decode(self, layer: int, groups, batch: DecodeBatch) -> None:
         """Decisions of decode steps are applied with the pass's others (``apply_pending_evictions``)."""

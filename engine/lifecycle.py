@@ -5,7 +5,7 @@ touches pages. Hooks return *decisions* (which physical tokens each kv-head keep
 attention may read) and the SparseController hands them to the CacheManager, which really frees
 what is evicted. Hooks a method does not override cost nothing: the controller skips them.
 
-Hooks, in the order the engine calls them (see DESIGN.md):
+Hooks, in the order the engine calls them (docs/architecture.md):
 
 =========================================  =====================================================
 ``on_admit(seq)``                          a sequence (or resumed session) enters the engine
@@ -13,6 +13,8 @@ Hooks, in the order the engine calls them (see DESIGN.md):
                                            probabilities ``after_prefill_chunk`` needs (0: none)
 ``prefill_view(layer, chunk)``             which cached KV a prefill chunk attends (None: all)
 ``after_prefill_chunk(layer, chunk)``      keep-indices per kv-head after a chunk's attention
+``after_prefill_pass()``                   the forward pass is queued: keep decisions the method
+                                           deferred from its chunks, every layer at once
 ``decode_view(layer, batch)``              pages / tokens each head reads this decode step
 ``graph_decode()`` / ``prepare_graph_decode``  optional: the decode selection can run inside the
 ``graph_decode_view(layer, ...)``           decode CUDA graph (device-only, static shapes; Quest)
@@ -32,7 +34,7 @@ Hooks, in the order the engine calls them (see DESIGN.md):
 Attention scores: a method that reads attention probabilities says so, and the attention backend
 computes them only then — ``prefill_probs_window(chunk) > 0`` asks for the probabilities of the
 chunk's last queries (an observation window), ``needs_decode_probs`` for those of decode steps.
-(DESIGN.md calls this ``needs_scores``; these two are its spelling here.) Methods that score from
+(The design calls this ``needs_scores``; these two are its spelling here.) Methods that score from
 K/V alone (KeyDiff, Expected Attention) read the cache through :class:`KVReader` instead.
 
 Scoring passes (KVzip's context reconstruction): once the last prefill chunk of a turn has run,
@@ -63,9 +65,9 @@ from typing import Any, ClassVar, Hashable, Mapping, Protocol, Sequence
 
 import torch
 
+from engine.cache.compaction import Keep  # noqa: F401  (the keep decisions hooks return)
+
 SeqId = Hashable
-Keep = "torch.Tensor | Sequence[torch.Tensor]"
-"""Kept physical indices of one (sequence, layer): ``[H, m]``, or one 1-D tensor per kv-head."""
 
 
 class MethodError(ValueError):
@@ -122,6 +124,11 @@ class MethodSpec:
             raise MethodError(f"budget must be a positive number of tokens, not {self.budget!r}")
         if self.budget_ratio is not None and not (0 < self.budget_ratio <= 1):
             raise MethodError(f"budget_ratio must be in (0, 1], not {self.budget_ratio!r}")
+
+    @classmethod
+    def from_config(cls, config: Any) -> "MethodSpec":
+        """The default spec an EngineConfig names (its ``method``, ``budget``, ``budget_ratio``, ``method_args``)."""
+        return cls(config.method, config.budget, config.budget_ratio, dict(config.method_args))
 
     def key(self) -> tuple:
         return (self.method, self.budget, self.budget_ratio, tuple(sorted((k, repr(v)) for k, v in self.method_args.items())))
@@ -186,6 +193,11 @@ class PrefillChunk(ChunkInfo):
     context_lengths: torch.Tensor | None = None
     """``[H]`` (host), scoring-pass chunks only: physical tokens per kv-head before the pass (the
     cached history the pass scores; the pass's own tokens follow them)."""
+    protected: int = 0
+    """Leading tokens every head keeps whatever the method decides (a prefix whose pages other
+    sequences share). A method that keeps its best ``budget`` tokens spends the budget on the
+    others (ranks these last), so every head ends with the same count: heads of one length attend
+    and score in one batch."""
 
 
 @dataclass
@@ -256,6 +268,9 @@ class SparseMethod:
     name: ClassVar[str] = ""
     Params: ClassVar[type] = None  # a dataclass of the method's own parameters
     needs_budget: ClassVar[bool] = False
+    holds_budget: ClassVar[bool] = False
+    """The method's cache holds about its budget per head once compressed (eviction methods);
+    False: a budget, if any, limits what attention reads, not what is held (selection methods)."""
     needs_decode_probs: ClassVar[bool] = False
     """The backend returns decode attention probabilities only for methods that set this."""
 
@@ -280,8 +295,15 @@ class SparseMethod:
         return None
 
     def kept_tokens(self, num_tokens: int) -> int:
-        """Tokens per head this method holds, at most, once a context of ``num_tokens`` is compressed."""
-        return num_tokens
+        """Tokens per head this method holds, at most, once a context of ``num_tokens`` is compressed:
+        the budget plus ``kept_slack()`` for a method that ``holds_budget``, else every token.
+        (Per-layer or per-head budgets, pyramidkv and adakv, average to the budget.)"""
+        budget = self.budget_for(num_tokens) if self.holds_budget else None
+        return num_tokens if budget is None else min(num_tokens, budget + self.kept_slack())
+
+    def kept_slack(self) -> int:
+        """Tokens past its budget a head may grow to between two compressions (0: none)."""
+        return 0
 
     def kv_layout(self) -> KVLayout:
         """The page format this method's KV is stored in. The engine builds its page pool in the
@@ -299,6 +321,13 @@ class SparseMethod:
         return None
 
     def after_prefill_chunk(self, layer: int, chunk: PrefillChunk) -> Keep | None:
+        return None
+
+    def after_prefill_pass(self) -> KeepMask | None:
+        """Once a forward pass is queued: the keep decisions of the prefill chunks this method
+        recorded in ``after_prefill_chunk`` instead of deciding there (scoring every layer of a
+        prompt in one batch of kernels rather than one per layer). Also called, its answer
+        dropped, when the pass fails: forget what was recorded."""
         return None
 
     def decode_view(self, layer: int, batch: DecodeBatch) -> Selection | None:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from engine.cache.manager import CacheManager
+from engine.prune_rule import PruneRuleError
 
 
 def block_hashes(tokens: list[int], page_size: int, salt: bytes) -> list[bytes]:
@@ -140,10 +141,13 @@ def prune_span(manager: CacheManager, seq_id, start: int, end: int, policy: str,
     in_span = (pos >= start) & (pos < end) & (pos >= protected)
     keep = (pos >= 0) & ~in_span
     if policy == "keep_ratio":
+        if queries is None:
+            raise PruneRuleError("keep_ratio pruning ranks tokens by recent queries, which the engine records only "
+                                 "when it runs with prune_policy keep_ratio")
         for layer in range(manager.num_layers):
-            q = queries.get(layer) if queries is not None else None
+            q = queries.get(layer)
             if q is None:
-                raise ValueError("keep_ratio pruning needs recent queries; none were recorded for this session")
+                raise PruneRuleError("keep_ratio pruning needs recent queries; none were recorded for this session")
             k, _, _, lengths = manager.gather(seq_id, layer)
             T = k.shape[1]
             scores = _attention_scores(q, k, lengths)  # [H, T]

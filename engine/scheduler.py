@@ -10,15 +10,18 @@ Each step it packs one forward pass, up to ``max_num_batched_tokens`` tokens:
    with a reservation left for one decode step of every running sequence.
 
 Page needs are counted from the cache's real (possibly compressed) head lengths, so the batch grows
-as methods free pages.
+as methods free pages. What the scheduler reclaims beyond its own queues (idle sessions to demote,
+a preempted session to swap out, a swapped one to restore) it reaches through the ``Reclaimer``
+given at construction (the engine's ChainTiers); nothing points back up to the engine.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from engine.cache.manager import CacheManager, ceil_div
+from engine.cache.manager import CacheManager
 from engine.config import EngineConfig
 from engine.controller import SparseController
 from engine.lifecycle import SeqInfo
@@ -42,20 +45,42 @@ class ScheduledBatch:
         return len(self.decode) + sum(n for _, n in self.prefill)
 
 
+class Reclaimer(Protocol):
+    """Cached state beyond the running batch that the scheduler may reclaim (session chains)."""
+
+    def reclaim(self, pages: int) -> int:
+        """Free at least ``pages`` pages if idle state allows; returns the pages freed."""
+
+    def reclaim_slot(self) -> bool:
+        """Free one cache slot; False if nothing idle holds one."""
+
+    def restore_pages(self, seq: Sequence, n_new: int) -> int:
+        """Pages that restoring ``seq``'s swapped-out KV and appending ``n_new`` tokens take (0: nothing to restore)."""
+
+    def restore(self, seq: Sequence) -> None:
+        """Bring ``seq``'s swapped-out KV back (it has a cache slot and pages again)."""
+
+    def swap_out(self, seq: Sequence) -> bool:
+        """Move a preempted ``seq``'s KV off the device; False if it cannot (the scheduler drops it)."""
+
+    def preempted(self, seq: Sequence) -> None:
+        """``seq`` lost its KV to preemption and will be prefilled again."""
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig, manager: CacheManager, controller: SparseController):
+    def __init__(self, config: EngineConfig, manager: CacheManager, controller: SparseController,
+                 reclaimer: Reclaimer | None = None):
         self.config = config
         self.manager = manager
         self.controller = controller
+        self.reclaimer = reclaimer
+        """Idle sessions to demote, preempted sessions to swap (None: one-shot requests only)."""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.chains = None
-        """The engine's ChainCache, when sessions are on: it frees room by demoting idle sessions."""
         self.preemptions = 0
         self.swaps = 0
         """Preemptions that moved a session's KV to host memory instead of dropping it."""
-        L, H = manager.num_layers, manager.num_kv_heads
-        self._pages_per_step = L * H  # the most pages one decode step of one sequence can take
+        self._pages_per_step = manager.pages_for_new(1)  # the most pages one decode step of one sequence can take
 
     # --- queue --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -74,7 +99,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def fresh_pages(self, n: int) -> int:
-        return self._pages_per_step * int(ceil_div(n, self.manager.page_size))
+        return self.manager.pages_for_new(n)
 
     # --- one step -----------------------------------------------------------------------------
     def _chunk(self, seq: Sequence, budget: int) -> int:
@@ -86,8 +111,8 @@ class Scheduler:
     def _room(self, need: int, reserved: int) -> bool:
         """Is there room for ``need`` more pages? Idle sessions are demoted to make it."""
         short = need - (self.manager.pool.num_free - reserved)
-        if short > 0 and self.chains is not None:
-            self.chains.reclaim(short)
+        if short > 0 and self.reclaimer is not None:
+            self.reclaimer.reclaim(short)
         return need <= self.manager.pool.num_free - reserved
 
     def schedule(self) -> ScheduledBatch:
@@ -130,9 +155,9 @@ class Scheduler:
             seq = self.waiting[0]
             n = self._chunk(seq, budget)
             cached = self.manager.has(seq.seq_id)
-            restore = 0 if cached or self.chains is None else self.chains.restore_pages(seq, n)
+            restore = 0 if cached or self.reclaimer is None else self.reclaimer.restore_pages(seq, n)
             if not cached and self.manager.num_free_slots == 0:
-                if self.chains is None or not self.chains.reclaim_slot():
+                if self.reclaimer is None or not self.reclaimer.reclaim_slot():
                     break
             if cached:
                 need = self.manager.pages_for_append([seq.seq_id], [n])
@@ -149,7 +174,7 @@ class Scheduler:
             self.waiting.popleft()
             if not cached:
                 if restore:
-                    self.chains.restore(seq)
+                    self.reclaimer.restore(seq)
                 else:
                     self.manager.open(seq.seq_id)
                     self.controller.admit(SeqInfo(seq.seq_id, seq.num_cached, seq.protected_len), seq.spec)
@@ -165,13 +190,13 @@ class Scheduler:
         back when it is readmitted (nothing is recomputed); a one-shot request's is dropped and
         prefilled again."""
         self.running.remove(seq)
-        if self.chains is not None and self.chains.swap_out(seq):
+        if self.reclaimer is not None and self.reclaimer.swap_out(seq):
             seq.status = SeqStatus.WAITING
             seq.counters.preemptions += 1
             self.swaps += 1
         else:
-            if self.chains is not None:
-                self.chains.preempted(seq)
+            if self.reclaimer is not None:
+                self.reclaimer.preempted(seq)
             self.manager.release(seq.seq_id)
             self.controller.release(seq.seq_id)
             seq.reset_for_recompute()

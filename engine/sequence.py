@@ -69,7 +69,6 @@ class Sequence:
         """Leading tokens shared with other sessions (a prefix holder): never evicted."""
         self.prefix_boundary = 0
         """While > num_cached: prefill chunks stop here, so a prefix holder can be made at it."""
-        self.prefix_hashes: list[bytes] = []
         self.prompt_logits: list[torch.Tensor] = []  # per chunk, when params.prompt_logits
         self.step_logits: list[torch.Tensor] = []  # per sampled token, when params.return_logits
 

@@ -242,7 +242,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from engine.duo_calibration import calibrate, write_pattern
+    from engine.methods.duo_calibration import calibrate, write_pattern
     from engine.llm import LLMEngine
 
     if args.samples < 1 or not 0 < args.min_tokens <= args.max_tokens:

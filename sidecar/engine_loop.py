@@ -1,4 +1,5 @@
-"""EngineLoop: the LLMEngine on its own thread, beside the asyncio gRPC server.
+"""EngineLoop: the LLMEngine on its own thread, beside the asyncio gRPC server (used through
+``sidecar.engine_client.EngineClient``, never directly).
 
 The engine is not thread-safe, so one thread owns it. Between forward passes that thread runs the
 commands the server sends (``call``: add a turn, abort, snapshot, load, fork, ...), then steps the
@@ -47,6 +48,11 @@ class EngineLoop:
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
         self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        """The thread runs and takes commands (started, not stopped, not failed)."""
+        return self._thread.is_alive() and not self._stop and self.failed is None
 
     def stop(self, timeout: float = 30.0) -> None:
         with self._cv:

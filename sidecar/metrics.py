@@ -1,9 +1,10 @@
 """Prometheus metrics on a side port (``chainkv serve --metrics-port 9400``), plus an access log.
 
 ``MetricsHooks`` is a ``ServerHooks``: the servicer calls it at each RPC, turn, snapshot and
-prune. Gauges that describe the engine (pages, sessions per tier) are read at scrape time from
-``LLMEngine.stats()`` and the engine's chains. Every metric is in the server's own registry, so
-several servers in one process do not collide.
+prune. Gauges that describe the engine (pages, sessions per tier) are read at scrape time on the
+engine thread, between two steps, through the server's ``EngineClient`` (``stats_blocking``);
+``MetricsHooks(engine)`` exports them once the server has started. Every metric is in the server's
+own registry, so several servers in one process do not collide.
 
     chainkv_rpc_total{rpc, code}                    calls by final status code
     chainkv_rpc_seconds{rpc}                        call latency (Turn: the whole stream)
@@ -22,14 +23,16 @@ several servers in one process do not collide.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-from sidecar.server import ServerHooks
+from sidecar.engine_client import EngineClient
+from sidecar.engine_results import EngineStats
+from sidecar.hooks import ServerHooks
 
 if TYPE_CHECKING:  # pragma: no cover
     from engine.llm import LLMEngine
@@ -43,21 +46,23 @@ STATE_TIERS = {"idle": "gpu", "active": "gpu", "host": "host", "history": "histo
 
 
 class EngineCollector:
-    """Engine gauges, read when Prometheus scrapes (plain reads of counters; no engine-thread call)."""
+    """Engine gauges, read when Prometheus scrapes."""
 
-    def __init__(self, engine: "LLMEngine"):
-        self.engine = engine
+    def __init__(self, read: Callable[[], EngineStats | None]):
+        self.read = read
 
     def collect(self):
-        st = self.engine.stats()
+        stats = self.read()
+        if stats is None:  # the engine is not serving (or did not answer in time)
+            return
+        st = stats.counters
         pages = GaugeMetricFamily("chainkv_kv_pages", "KV pool pages by state", labels=["state"])
         pages.add_metric(["free"], st["pages_free"])
         pages.add_metric(["used"], st["pages_total"] - st["pages_free"])
         yield pages
         tiers = dict.fromkeys(("gpu", "host", "history"), 0)
-        for chain in list(self.engine.chains.chains.values()):
-            tier = STATE_TIERS.get(getattr(chain.state, "value", str(chain.state)), "gpu")
-            tiers[tier] += 1
+        for state, n in stats.sessions_by_state.items():
+            tiers[STATE_TIERS.get(state, "gpu")] += n
         sessions = GaugeMetricFamily("chainkv_sessions", "sessions held by this replica, by tier", labels=["tier"])
         for tier, n in tiers.items():
             sessions.add_metric([tier], n)
@@ -89,9 +94,19 @@ class MetricsHooks(ServerHooks):
                                          ["reason"], registry=r)
         for reason in ("unavailable", "conflict", "refused", "error"):
             self.snapshot_failures.labels(reason)  # exported at 0 from the start
+        self._client: EngineClient | None = None
         if engine is not None:
-            r.register(EngineCollector(engine))
+            r.register(EngineCollector(self._engine_stats))
         self._http = None
+
+    def on_start(self, client: EngineClient) -> None:
+        """The server started: engine gauges are read through its client, on the engine thread."""
+        self._client = client
+
+    def _engine_stats(self) -> EngineStats | None:
+        if self._client is not None:
+            return self._client.stats_blocking()
+        return None
 
     # --- hooks ---------------------------------------------------------------------------------------
     def on_rpc(self, method: str, code: grpc.StatusCode, seconds: float) -> None:

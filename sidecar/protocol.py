@@ -1,8 +1,8 @@
 """gRPC messages <-> engine arguments: request validation and reply building.
 
 Everything a client can get wrong is checked here, before the engine sees it, and raised as
-``InvalidRequest`` (INVALID_ARGUMENT). Engine state (``LLMEngine.session_info`` dicts and store
-records) becomes ``chainkv.v1.Session`` messages here too.
+``InvalidRequest`` (INVALID_ARGUMENT). Engine state (``SessionInfo`` from the engine client, and
+store records) becomes ``chainkv.v1.Session`` messages here too.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from engine.methods import get_method_class
 from engine.sampling import SamplingError, SamplingParams
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.chat import ROLES, ChatError, ToolSpec, tool_from_json
+from sidecar.engine_results import PruneRecord, SessionInfo
 from sidecar.sessions import BadSessionId, Session, check_id
 
 TIERS = {"new": pb.TIER_NEW, "gpu": pb.TIER_GPU, "host": pb.TIER_HOST, "store": pb.TIER_STORE,
@@ -136,20 +137,17 @@ def tool_call_proto(turn_index: int, k: int, name: str, arguments_json: str) -> 
     return pb.ToolCall(id=f"call_{turn_index}_{k}", name=name, arguments_json=arguments_json)
 
 
-def session_proto(session_id: str, info: dict[str, Any], s: Session | None, tier: str | None = None,
+def session_proto(session_id: str, info: SessionInfo, s: Session | None, tier: str | None = None,
                   has_store: bool = True) -> pb.Session:
-    m = info.get("method")
-    out = pb.Session(session_id=session_id, state=STATES.get(info["state"], pb.SESSION_STATE_UNSPECIFIED),
-                     turn_index=info["turn_index"], generation=info["generation"], history_tokens=info["num_tokens"],
-                     digest=info["digest"], method=m if isinstance(m, str) else "",
-                     kv_tokens=info.get("kv_tokens", 0), kv_pages=info.get("kv_pages", 0),
-                     pruned_kv_tokens=info.get("pruned_tokens", 0),
-                     shared_prefix_tokens=info.get("shared_prefix_tokens", 0),
-                     prune_log=[prune_record(e) for e in info.get("prune_log", [])])
-    spec = info.get("spec")
-    if spec is not None:
-        _set_method(out, spec)
-    tier = tier or STATE_TIERS.get(info["state"])
+    out = pb.Session(session_id=session_id, state=STATES.get(info.state, pb.SESSION_STATE_UNSPECIFIED),
+                     turn_index=info.turn_index, generation=info.generation, history_tokens=info.num_tokens,
+                     digest=info.digest, method=info.method, kv_tokens=info.kv_tokens, kv_pages=info.kv_pages,
+                     pruned_kv_tokens=info.pruned_tokens, shared_prefix_tokens=info.shared_prefix_tokens,
+                     prune_log=[prune_record_proto(e) for e in info.prune_log])
+    if info.spec is not None:
+        _set_method(out, {"method": info.spec.method, "budget": info.spec.budget,
+                          "budget_ratio": info.spec.budget_ratio, "method_args": info.spec.method_args})
+    tier = tier or STATE_TIERS.get(info.state)
     if tier:
         out.source_tier = TIERS[tier]
     if s is not None and has_store:
@@ -171,7 +169,7 @@ def stored_session_proto(session_id: str, record: dict[str, Any]) -> pb.Session:
                      generation=record["generation"], history_tokens=len(tokens), digest=record.get("digest", ""),
                      pruned_kv_tokens=record.get("pruned_tokens", 0),
                      shared_prefix_tokens=record.get("protected_len", 0),
-                     prune_log=[prune_record(e) for e in record.get("prune_log", [])],
+                     prune_log=[prune_record_proto(PruneRecord.from_engine(e)) for e in record.get("prune_log", [])],
                      source_tier=pb.TIER_STORE, snapshot_state=pb.SNAPSHOT_STATE_COMMITTED,
                      committed_generation=record["generation"])
     if isinstance(record.get("method"), dict):
@@ -189,7 +187,6 @@ def _set_method(out: pb.Session, spec: dict[str, Any]) -> None:
         out.method_args[str(k)] = str(v)
 
 
-def prune_record(e: dict[str, Any]) -> pb.PruneRecord:
-    return pb.PruneRecord(turn=e.get("turn", 0), start=e["start"], end=e["end"], prune_policy=e.get("policy", ""),
-                          prune_keep_ratio=float(e.get("keep_ratio", 0.0)), prune_scope=e.get("scope", ""),
-                          reason=e.get("reason", ""), removed=int(e.get("removed", 0)))
+def prune_record_proto(e: PruneRecord) -> pb.PruneRecord:
+    return pb.PruneRecord(turn=e.turn, start=e.start, end=e.end, prune_policy=e.policy, prune_keep_ratio=e.keep_ratio,
+                          prune_scope=e.scope, reason=e.reason, removed=e.removed)

@@ -30,15 +30,14 @@ import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.chain import SessionBusy, SessionError, SessionNotFound, TurnIndexMismatch
 from engine.lifecycle import MethodError
-from sidecar.snapshots import join_snapshot
+from sidecar.engine_client import EngineClient
+from sidecar.engine_results import SessionInfo
+from sidecar.snapshot_codec import join_snapshot
 from sidecar.store import SessionStore, StoreUnavailable
-
-if TYPE_CHECKING:  # pragma: no cover
-    from sidecar.engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +76,9 @@ class Running:
     request_id: str
     done: asyncio.Future
     """Resolves to the recorded completion bytes, or None when the turn did not finish."""
+    settling: bool = False
+    """Its caller is gone (cancelled, deadline) and the turn is being rolled back: the session is
+    about to be released, so a request for it waits (``get_settled``) instead of being refused."""
 
 
 @dataclass
@@ -123,18 +125,20 @@ class Session:
         self.created_at = app.get("created_at", self.created_at)
         self.records = OrderedDict((rid, bytes(blob)) for rid, blob in app.get("requests", []))
 
-    def update(self, info: dict[str, Any], end_of_turn_id: int | None) -> None:
-        """Refresh from the engine's ``session_info``."""
-        self.generation = info["generation"]
-        self.turn_index = info["turn_index"]
-        self.ends_with_eot = end_of_turn_id is not None and info.get("last_token") == end_of_turn_id
+    def update(self, info: SessionInfo, end_of_turn_id: int | None) -> None:
+        """Refresh from the engine's view of the session."""
+        self.generation = info.generation
+        self.turn_index = info.turn_index
+        self.ends_with_eot = end_of_turn_id is not None and info.last_token == end_of_turn_id
         self.last_used = time.monotonic()
 
 
 class SessionManager:
-    def __init__(self, engine: "EngineLoop", store: SessionStore | None, *, end_of_turn_id: int | None,
-                 idempotency_window: int = 32, resume_wait_s: float = 5.0):
+    def __init__(self, engine: EngineClient, store: SessionStore | None, *, end_of_turn_id: int | None,
+                 idempotency_window: int = 32, resume_wait_s: float = 5.0, settle_wait_s: float = 10.0):
         self.engine = engine
+        self.settle_wait_s = settle_wait_s
+        """How long a request waits for an abandoned turn on its session to be rolled back."""
         self.store = store
         self.end_of_turn_id = end_of_turn_id
         self.idempotency_window = idempotency_window
@@ -186,6 +190,27 @@ class SessionManager:
                 await self._drop_local(s)
             return await self._load(key)
 
+    async def get_settled(self, key: str, *, create: bool, expected_turn_index: int | None = None,
+                          deadline: float | None = None) -> Session:
+        """``get``, once a turn whose caller went away has been rolled back and the session released
+        (a client that cancels a turn and sends the next at once is not refused as busy). Waits at
+        most ``settle_wait_s`` (or to ``deadline``); a session still held after that is returned
+        busy, and taking it raises SessionBusy."""
+        until = time.monotonic() + self.settle_wait_s
+        if deadline is not None:
+            until = min(until, deadline)
+        while True:
+            s = await self.get(key, create=create, expected_turn_index=expected_turn_index, deadline=deadline)
+            running = s.running
+            left = until - time.monotonic()
+            if running is None or not running.settling or left <= 0:
+                return s
+            try:
+                await asyncio.wait_for(asyncio.shield(running.done), left)
+            except asyncio.TimeoutError:
+                return s
+            # the session may have been dropped (a first turn that never ran): look it up again
+
     def _usable(self, s: Session, expected: int | None) -> bool:
         if s.busy:
             return True  # the caller gets ABORTED (or waits for its retried request)
@@ -232,21 +257,16 @@ class SessionManager:
         if stored is None:
             raise SessionNotFound(f"no session {key.split('/')[-1]!r}")
         snap, kv_error = await asyncio.to_thread(join_snapshot, stored)
-        eng = self.engine.engine
-        if snap.kv is not None and snap.meta.get("fingerprint") != eng.fingerprint():
+        fingerprint = self.engine.model.fingerprint
+        if snap.kv is not None and snap.meta.get("fingerprint") != fingerprint:
             kv_error = (f"the stored KV was made by {snap.meta.get('fingerprint')!r}, "
-                        f"this replica is {eng.fingerprint()!r}")
+                        f"this replica is {fingerprint!r}")
             snap.kv = None
         snap.meta["session_id"] = key
-
-        def load_and_describe():
-            try:
-                eng.load_session(snap)
-            except MethodError as e:  # KV this replica cannot continue: refuse rather than guess
-                raise SessionError(f"session {key.split('/')[-1]!r} uses a method this replica cannot run: {e}") from None
-            return eng.session_info(key)
-
-        info = await self.engine.call(load_and_describe)
+        try:
+            info = await self.engine.load(snap)
+        except MethodError as e:  # KV this replica cannot continue: refuse rather than guess
+            raise SessionError(f"session {key.split('/')[-1]!r} uses a method this replica cannot run: {e}") from None
         s = Session(key=key, in_engine=True, committed_generation=stored.generation,
                     source_tier="store" if snap.kv is not None else "recompute", snapshot_error=kv_error)
         s.load_app_meta(stored.app)
@@ -260,12 +280,9 @@ class SessionManager:
     async def _drop_local(self, s: Session) -> None:
         self._sessions.pop(s.key, None)
         if s.in_engine:
-            try:
-                await self.engine.call(self.engine.engine.end_session, s.key)
-            except SessionNotFound:
-                pass
+            await self.engine.end_session(s.key)
 
-    def adopt(self, key: str, *, tools_digest: str, info: dict[str, Any]) -> Session:
+    def adopt(self, key: str, *, tools_digest: str, info: SessionInfo) -> Session:
         """Register a session the engine just made (a fork)."""
         s = Session(key=key, in_engine=True, tools_digest=tools_digest, source_tier="new")
         s.update(info, self.end_of_turn_id)
@@ -308,13 +325,10 @@ class SessionManager:
                                            f"{s.snapshot_error}")
             s.ended = True
             if s.running is not None:
-                self.engine.post(self.engine.engine.abort, key)
+                self.engine.abort_soon(key)
             self._sessions.pop(key, None)
             if here:
-                try:
-                    await self.engine.call(self.engine.engine.end_session, key)
-                except SessionNotFound:
-                    pass
+                await self.engine.end_session(key)
         deleted = False
         if self.store is not None and not keep_snapshot:
             lock = s.store_lock if s is not None else asyncio.Lock()

@@ -1,13 +1,6 @@
-"""Session snapshots between the engine and the store: the codec and the write-behind writer.
+"""SnapshotWriter: sessions written to the store behind their turns.
 
-``split_snapshot`` cuts an engine ``SessionSnapshot`` into the session record (the store's meta:
-history, spans, method, ...) and the KV blob (the KV, method state and query window as
-``SessionSnapshot`` bytes); ``join_snapshot`` puts them back together, or, when the blob is
-missing or unusable, gives a record-only snapshot that the engine rebuilds by re-prefilling the
-history (tier RECOMPUTE).
-
-``SnapshotWriter`` writes sessions behind the turns: a turn marks its session dirty and returns;
-one writer task takes the session's current snapshot on the engine thread (so a burst of turns
+A turn marks its session dirty and returns; one writer task takes the session's current snapshot on the engine thread (so a burst of turns
 is written once, and at most one snapshot is held in memory), serializes it off the event loop
 and commits it on the generation it last committed. The queue of dirty sessions is bounded and
 marking never blocks a turn: past the bound, the writer finds the overflow later by scanning for
@@ -21,47 +14,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from engine.cache.snapshot import SessionSnapshot, SnapshotError
-from engine.chain import KV_STATE_KEYS, SessionBusy, SessionNotFound
-from sidecar.store import GenerationConflict, SessionStore, StoredSession, StoreError, StoreUnavailable
+from engine.chain import SessionBusy, SessionNotFound
+from sidecar.engine_client import EngineClient
+from sidecar.sessions import SessionManager
+from sidecar.snapshot_codec import join_snapshot, split_snapshot
+from sidecar.store import GenerationConflict, SessionStore, StoreError, StoreUnavailable
 
-if TYPE_CHECKING:  # pragma: no cover
-    from sidecar.engine_loop import EngineLoop
-    from sidecar.sessions import SessionManager
+__all__ = ["SnapshotWriter", "join_snapshot", "split_snapshot"]  # the codec's home: sidecar.snapshot_codec
 
 log = logging.getLogger(__name__)
 
 
-def split_snapshot(snap: SessionSnapshot, app: dict[str, Any]) -> StoredSession:
-    record = {k: v for k, v in snap.meta.items() if k not in KV_STATE_KEYS}
-    blob = None
-    if snap.kv is not None:
-        kv_meta = {k: v for k, v in snap.meta.items() if k in KV_STATE_KEYS}
-        blob = SessionSnapshot(meta=kv_meta, kv=snap.kv, tensors=snap.tensors).to_bytes()
-    return StoredSession(record=record, app=app, kv=blob)
-
-
-def join_snapshot(stored: StoredSession) -> tuple[SessionSnapshot, str | None]:
-    """The engine snapshot for a stored session, and why its KV was not usable (None if it was)."""
-    error = stored.kv_error
-    if stored.kv is not None:
-        try:
-            part = SessionSnapshot.from_bytes(stored.kv)
-        except SnapshotError as e:
-            error = f"the KV blob is unreadable: {e}"
-        else:
-            return SessionSnapshot(meta={**stored.record, **part.meta}, kv=part.kv, tensors=part.tensors), None
-    return SessionSnapshot(meta={**stored.record, "num_cached": 0}, kv=None), error
-
-
 class SnapshotWriter:
-    def __init__(self, store: SessionStore, engine: "EngineLoop", sessions: "SessionManager", *,
+    def __init__(self, store: SessionStore, engine: EngineClient, sessions: SessionManager, *,
                  with_kv: bool = True, max_pending: int = 4096, retry_base_s: float = 0.2, retry_max_s: float = 5.0,
                  hooks: Any = None):
         self.store = store
-        self.engine = engine
+        self.client = engine
         self.sessions = sessions
         self.with_kv = with_kv
         self.retry_base_s, self.retry_max_s = retry_base_s, retry_max_s
@@ -162,7 +133,7 @@ class SnapshotWriter:
                 return
             started = time.monotonic()
             try:
-                snap = await self.engine.call(self.engine.engine.snapshot_session, key, self.with_kv)
+                snap = await self.client.snapshot(key, self.with_kv)
             except (SessionBusy, SessionNotFound):
                 return  # a turn started since (its end marks the session dirty again), or it ended
             generation = int(snap.meta["generation"])

@@ -1,4 +1,10 @@
-"""Shared fixtures: tiny random HF models (fast, fixed seed) and the real SmolLM2 engine."""
+"""Shared fixtures: tiny random HF models (fast, fixed seed) and the real SmolLM2 engine.
+
+Test tiers: every test that loads SmolLM2 is marked ``slow`` — here, for every test whose fixtures
+(directly or through other fixtures) include one of ``SMOLLM2_FIXTURES``; by hand (``@pytest.mark.slow``)
+for a test that builds a SmolLM2 engine itself or runs the CLI / a sidecar process. The fast tier is
+``pytest -m "not slow"``.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,23 @@ import torch
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
+# Without CUDA the Triton kernel tests run under Triton's interpreter; the variable is read when a
+# kernel is defined, so it is set here, before any engine module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5)
+
+
+SMOLLM2_FIXTURES = {"smol_engine", "smollm2_dir", "smollm2_hf"}
+"""Fixtures that load SmolLM2: a test that uses one, directly or not, is ``slow``."""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SMOLLM2_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 def make_tiny(arch: str, path, seed: int = 0, **extra):

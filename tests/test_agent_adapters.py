@@ -131,7 +131,7 @@ def test_a_stream_dropped_after_its_first_tokens_is_retried_without_running_the_
 
 async def _engine_busy(server) -> bool:
     await asyncio.sleep(0.05)
-    return bool(server.server.sessions.active_turns or server.server.service._settling)
+    return bool(server.server.sessions.active_turns or server.server.turns.settling)
 
 
 # --- LangChain -----------------------------------------------------------------------------------

@@ -96,6 +96,7 @@ def test_pruning_a_tool_span_frees_pages_and_keeps_the_prefix(smol_engine):
     eng.end_session("prune")
 
 
+@pytest.mark.slow
 def test_keep_ratio_pruning_keeps_the_attended_part():
     eng = LLMEngine(EngineConfig(num_pages=20000, prefill_chunk_size=256, prune_policy="keep_ratio",
                                  prune_keep_ratio=0.5, prune_roles=["tool"], prune_lag=0))

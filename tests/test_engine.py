@@ -165,6 +165,7 @@ def test_bad_requests_are_refused_cleanly(smol_engine):
     assert smol_engine.pool.num_used == used0
 
 
+@pytest.mark.slow
 def test_request_larger_than_pool_is_refused():
     engine = LLMEngine(EngineConfig(num_pages=200, prefill_chunk_size=64, max_num_batched_tokens=256))
     with pytest.raises(RequestError, match="KV pages"):

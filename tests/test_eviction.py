@@ -22,7 +22,7 @@ from engine.sampling import SamplingParams
 
 from tests.conftest import chat, haystack
 
-EVICTION = [n for n in REGISTRY if n not in ("dense",) and getattr(REGISTRY[n], "needs_budget", False)]
+EVICTION = sorted(n for n in REGISTRY if n not in ("dense",) and getattr(REGISTRY[n], "needs_budget", False))
 
 
 # --- 1. a budget that holds the whole context changes nothing -------------------------------------
@@ -155,7 +155,7 @@ def test_pyramidkv_rule(tiny_engine):
 
 def test_adakv_rule(tiny_engine):
     spec = MethodSpec("adakv", budget=B, method_args={"alpha_safeguard": 0.25})
-    inner = tiny_engine.controller.method_for(spec).inner
+    inner = tiny_engine.controller.method_for(spec).scorer
     inner.params.window_size, inner.params.kernel_size = 4, 3  # the scorer's parameters for this test
     seen, kept = _run(tiny_engine, spec, 1)
     w, kernel, floor = 4, 3, 4
@@ -271,6 +271,7 @@ def test_rkv_rule(tiny_engine):
 
 
 # --- 3. pages really go back to the pool; per-head / per-layer budgets add up ---------------------
+@pytest.mark.slow
 def test_pages_freed_and_budgets_add_up():
     engine = LLMEngine(EngineConfig(num_pages=20000, prefill_chunk_size=512, max_num_batched_tokens=4096))
     prompt = chat(engine, haystack(12) + " What color is item 3?")
@@ -278,7 +279,7 @@ def test_pages_freed_and_budgets_add_up():
     L, H, P = engine.shape.num_layers, engine.shape.num_kv_heads, engine.config.page_size
     names = ["h2o", "tova", "snapkv", "pyramidkv", "adakv", "keydiff", "expected_attention"]  # rkv: decode-time only
     specs = {m: MethodSpec(m, budget=budget, method_args={"window_size": 8} if m in ("snapkv", "pyramidkv") else {}) for m in names}
-    engine.controller.method_for(specs["adakv"]).inner.params.window_size = 8  # its scorer's window, as snapkv's
+    engine.controller.method_for(specs["adakv"]).scorer.params.window_size = 8  # its scorer's window, as snapkv's
     free_before = engine.pool.num_free
     ids = {m: engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True), method=specs[m]) for m in names}
     engine.step()  # every prompt in, compressed, and its first token sampled
@@ -330,6 +331,7 @@ def test_probabilities_only_when_asked(tiny_engine):
 
 
 # --- 4. the command line ----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_generate_snapkv_on_the_command_line():
     text = haystack(40) + " What color is item 3?"
     cmd = [sys.executable, "-m", "sidecar.cli", "generate", "--method", "snapkv", "--budget", "256", "--chat", "--json",

@@ -66,6 +66,7 @@ def test_config_vocabulary_is_one(tmp_path):
     assert set(EngineConfig().to_dict()) <= flags
 
 
+@pytest.mark.slow  # a subprocess
 def test_generate_help_lists_methods():
     out = subprocess.run([sys.executable, "-m", "sidecar.cli", "generate", "--help"], capture_output=True, text=True, check=True).stdout
     from engine.methods import REGISTRY
@@ -75,6 +76,7 @@ def test_generate_help_lists_methods():
     assert "n_sink=4" in out
 
 
+@pytest.mark.slow
 def test_generate_json_on_smollm2():
     cmd = [sys.executable, "-m", "sidecar.cli", "generate", "--chat", "--json", "--max-tokens", "12",
            "--num-pages", "4000", "What is the capital of France?"]
@@ -85,6 +87,7 @@ def test_generate_json_on_smollm2():
     assert isinstance(out["token_ids"], list) and 0 < len(out["token_ids"]) <= 12
 
 
+@pytest.mark.slow  # a subprocess
 def test_generate_reports_bad_method():
     res = subprocess.run([sys.executable, "-m", "sidecar.cli", "generate", "--method", "nope", "--num-pages", "100", "x"],
                          capture_output=True, text=True, timeout=300)

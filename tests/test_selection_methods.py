@@ -322,7 +322,7 @@ def test_duo_attention_streaming_heads_free_memory(smol_engine, prompt):
 
 
 def test_duo_calibration_writes_a_pattern_the_method_loads(smol_engine, tmp_path):
-    from engine.duo_calibration import calibrate, write_pattern
+    from engine.methods.duo_calibration import calibrate, write_pattern
 
     pattern = calibrate(smol_engine, samples=1, min_tokens=160, max_tokens=160, n_sink=8, n_recent=16)
     scores = torch.tensor(pattern["scores"])
@@ -345,6 +345,7 @@ def test_shipped_smollm2_pattern(smol_engine):
 
 
 # --- 4. CLI, --help and the sidecar's request fields -------------------------------------------------------------
+@pytest.mark.slow  # generates with SmolLM2
 def test_methods_in_help_and_cli(capsys):
     from sidecar.cli import build_parser, main
 

@@ -206,5 +206,69 @@ def test_a_preempted_session_is_swapped_out_and_finishes_as_if_alone(tiny_models
     assert tight.scheduler.swaps > 0 and sum(o.counters.preemptions for o in outs.values()) > 0
     for sid, out in roomy.items():
         assert outs[sid].token_ids == out.token_ids
-        # the swapped turn prefilled what it would have anyway: its new tokens and the last reply token
-        assert outs[sid].counters.prefilled_tokens == out.counters.prefilled_tokens == 151
+        # the swapped turn prefilled what it would have anyway: its 150 new tokens, and the last reply
+        # token unless the device's decode ran one step ahead and already cached it
+        assert outs[sid].counters.prefilled_tokens == out.counters.prefilled_tokens in (150, 151)
+
+
+def test_snapkv_scoring_every_layer_after_the_pass_keeps_what_layer_by_layer_keeps(tiny_models):
+    """SnapKV defers a prompt's scoring to the end of the pass (all layers in one batch of kernels);
+    the kept tokens are those of the rule applied layer by layer, shared prefix and chain turns included."""
+    path, _ = tiny_models("llama")
+    spec = MethodSpec("snapkv", budget=40, method_args={"window_size": 16})
+    system = _prompt(70, 99)
+
+    def run(defer: bool) -> dict:
+        eng = _engine(path, prefill_chunk_size=128, max_num_batched_tokens=1024)
+        method = eng.controller.method_for(spec)
+        method._defers = defer
+        deferred = []
+        record = method.after_prefill_pass
+        method.after_prefill_pass = lambda: deferred.append(record()) or deferred[-1]
+        kept = {}
+        for turn in range(3):
+            for i in range(3):
+                eng.add_turn(f"s{i}", (system if turn == 0 else []) + _prompt(150 + 11 * i + 7 * turn, 10 * turn + i),
+                             GREEDY, method=spec)
+            while eng.has_unfinished():
+                eng.step()
+            kept.update({(turn, i): eng.manager.positions(f"s{i}").clone() for i in range(3)})
+        assert any(d is not None for d in deferred) == defer
+        return kept
+
+    deferred, layer_by_layer = run(True), run(False)
+    assert deferred.keys() == layer_by_layer.keys()
+    for key in deferred:
+        assert torch.equal(deferred[key], layer_by_layer[key]), key
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_a_shared_prefix_is_kept_beside_the_budget_so_heads_stay_one_length(tiny_models, monkeypatch, defer):
+    """A session attached to another's cached system prompt keeps that prefix whatever its method
+    decides. Even when the rule ranks the prefix highest (as attention sinks make real models do),
+    the budget goes to the other tokens: every head keeps prefix + budget, all heads one length."""
+    import engine.methods.snapkv as snapkv_module
+
+    rule = snapkv_module.scores_from_window_sums
+
+    def prefers_the_start(summed, w, lengths, kernel_size, pooling):
+        scores = rule(summed, w, lengths, kernel_size, pooling)
+        noise = torch.rand(scores.shape, generator=torch.Generator().manual_seed(0)).to(scores.device)
+        early = 100.0 - torch.arange(scores.shape[-1], device=scores.device) / scores.shape[-1] + noise
+        return torch.where(torch.isfinite(scores) & (scores <= w), early, scores)  # the window stays on top
+
+    monkeypatch.setattr(snapkv_module, "scores_from_window_sums", prefers_the_start)
+    path, _ = tiny_models("llama")
+    budget, system = 40, _prompt(64, 7)
+    spec = MethodSpec("snapkv", budget=budget, method_args={"window_size": 16})
+    eng = _engine(path, prefill_chunk_size=256, max_num_batched_tokens=1024)
+    eng.controller.method_for(spec)._defers = defer
+    for i in range(2):  # the second session attaches to the first one's cached prefix
+        eng.add_turn(f"s{i}", system + _prompt(150, i), GREEDY, method=spec, shared_prefix=len(system))
+        while eng.has_unfinished():
+            eng.step()
+    protected = eng.controller.protected_len("s1")
+    assert protected > 0
+    lengths = eng.manager.lengths[eng.manager.slot("s1")]
+    generated_in_cache = int(eng.manager.positions("s1").max()) + 1 - len(system) - 150
+    assert bool((lengths == protected + budget + generated_in_cache).all()), (lengths, protected, generated_in_cache)

@@ -101,3 +101,27 @@ def test_tool_call_parser_passes_malformed_calls_through_and_accepts_an_unclosed
     events = p.feed('<tool_call>{"name": "clock", "parameters": {"tz": "UTC"}}') + p.finish()
     assert events[0][0] == "tool_call" and events[0][1].name == "clock" and json.loads(events[0][1].arguments_json) == {"tz": "UTC"}
     assert parse_call('{"arguments": {}}') is None and parse_call('{"name": "x", "arguments": [1]}') is None
+
+
+def test_rendering_shares_the_engine_tokenizer_with_a_decoding_thread(renderer):
+    """The sidecar renders on worker threads with the tokenizer the engine thread decodes with (no
+    second copy): renders and incremental decodes running at once give what they give alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.detokenizer import IncrementalDetokenizer
+
+    r = renderer
+    msgs = [[{"role": "user", "content": f"Question {i}: name {i} fruits, then count to {i}."}] for i in range(12)]
+    rendered = [r.first_turn(m).token_ids for m in msgs]
+    ids = r.encode("Apples, pears, plums and 🍒 cherries; ünïcödé text and numbers 1 2 3. " * 6)
+
+    def decode_all() -> str:
+        d = IncrementalDetokenizer(r.tokenizer)
+        return "".join(d.push(t) for t in ids) + d.flush()
+
+    text = decode_all()
+    with ThreadPoolExecutor(4) as pool:
+        decodes = [pool.submit(decode_all) for _ in range(4)]
+        renders = [pool.submit(lambda m=m: r.first_turn(m).token_ids) for m in msgs * 3]
+        assert [f.result() for f in renders] == rendered * 3
+        assert [f.result() for f in decodes] == [text] * 4

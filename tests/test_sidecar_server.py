@@ -185,6 +185,35 @@ def test_cancel_and_deadline_stop_the_engine_and_roll_the_turn_back(local):
     assert ok.turn_index == 1 and ok.usage.source_tier == pb.TIER_GPU
 
 
+def test_a_turn_sent_right_after_a_rejected_or_cancelled_one_is_not_refused_as_busy(local, smol_engine):
+    """A turn rejected after it took its session releases the session before its error is sent; a
+    cancelled one is rolled back before the next turn takes the session. Either way the next Turn,
+    sent at once, runs (before: ABORTED, "a turn is already running", 1-4 times in 5)."""
+    _, stub, _ = local
+    run(stub, request("again", TURNS[0], max_tokens=2))
+    tools = [pb.Tool(name="lookup", description="Look a word up.", parameters_json='{"type": "object"}')]
+    too_long = [("user", "fruit " * (smol_engine.max_model_len + 10))]
+    turn_index = 1
+    for i in range(50):
+        if i % 10 == 9:  # refused by the engine (ContextFull), on the engine thread
+            bad, code = request("again", too_long), C.INVALID_ARGUMENT
+        else:  # refused by the sidecar once the session is taken: a session's tools are fixed
+            bad, code = request("again", TURNS[1], tools=tools), C.FAILED_PRECONDITION
+        with pytest.raises(grpc.RpcError) as e:
+            run(stub, bad)
+        assert e.value.code() == code, f"rejection {i}: {e.value.code()} {e.value.details()}"
+        ok = run(stub, request("again", [("user", f"Say {i}.")], max_tokens=1))
+        assert ok.turn_index == turn_index
+        turn_index += 1
+    for i in range(5):
+        call = stub.Turn(request("again", TURNS[3], max_tokens=200, ignore_eos=True), metadata=ALPHA)
+        next(call)  # the turn runs
+        call.cancel()
+        ok = run(stub, request("again", [("user", f"Then say {i}.")], max_tokens=1))
+        assert ok.turn_index == turn_index  # the cancelled turn was rolled back, this one ran
+        turn_index += 1
+
+
 def test_bad_requests_get_their_status_and_the_server_keeps_serving(local, smol_engine):
     server, stub, channel = local
     user = TURNS[1]

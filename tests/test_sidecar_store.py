@@ -125,7 +125,7 @@ def test_engine_session_round_trips_through_the_directory_store(tiny_models, tmp
     from engine.config import EngineConfig
     from engine.llm import LLMEngine
     from engine.sampling import SamplingParams
-    from sidecar.snapshots import join_snapshot, split_snapshot
+    from sidecar.snapshot_codec import join_snapshot, split_snapshot
 
     folder, _ = tiny_models("llama")
     cfg = EngineConfig(model=folder, num_pages=600, prefill_chunk_size=16)

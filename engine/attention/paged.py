@@ -92,10 +92,11 @@ class PagedAttention:
         batch = DecodeBatch(layer=layer, seq_ids=self.decode_ids, num_tokens=self.decode_num_tokens, q=q,
                             lengths=host_lengths, cache=self.manager, k=k, tables=view.tables,
                             device_lengths=view.lengths)
-        sel = self.controller.decode_view(layer, self._groups, batch)
-        if sel is not None:
-            if sel.to_host is not None or self.manager.has_host_tier:  # tier moves changed the tables
+        parts = self.controller.decode_selections(layer, self._groups, batch)
+        if parts:
+            if self.controller.move_tiers(layer, parts, batch):  # offload / fetch changed the tables
                 view = self._view(self._decode_slots, self._decode_slots_dev, layer, None)
+            sel = self.controller.merge_selections(parts, batch)
             view.selected_pages, view.token_mask = sel.selected_pages, sel.token_mask
         out, probs = self.backend.decode(self.manager.pool, view, q, self.scale, want_probs=self._decode_probs and self.controller.decode_needs_probs_at(self._groups, layer))
         batch.probs = probs
@@ -125,6 +126,6 @@ class PagedAttention:
         elif self.controller.wants_after_prefill(seg.seq_id):
             chunk = PrefillChunk(seq_id=seg.seq_id, layer=layer, start=seg.start, length=seg.length, is_last=seg.is_last,
                                  q=q, k=k, v=v, probs=probs, lengths=self.manager.lengths[seg.slot, layer].clone(),
-                                 cache=self.manager)
+                                 cache=self.manager, protected=self.controller.protected_len(seg.seq_id))
             self.controller.after_prefill_chunk(layer, chunk)
         return out

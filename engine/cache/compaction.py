@@ -22,12 +22,17 @@ the device are trusted (an index outside a row is dropped, never read).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Hashable, Mapping, Sequence, Union
 
 import torch
 
-from engine.cache.pages import OutOfPages
+from engine.cache.errors import OutOfPages
 from engine.cache.transfer import ceil_div, to_device
+
+
+Keep = Union[torch.Tensor, Sequence[torch.Tensor]]
+"""A keep decision for one (sequence, layer): the physical indices each kv-head keeps, as a ``[H, m]``
+tensor or one 1-D tensor per head (host or device)."""
 
 
 @dataclass
@@ -155,3 +160,70 @@ def _nonzero(mask: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]
     except (AttributeError, NotImplementedError, RuntimeError):
         idx = torch.nonzero(mask)
     return idx[:, 0], idx[:, 1]
+
+
+class CompactionOps:
+    """The CacheManager's keep decisions (a mixin over PageTables and HostTierOps): index lists or
+    masks of any rows, carried out in one ``compact``."""
+
+    def evict(self, seq_id: Hashable, layer: int, keep: Keep) -> int:
+        """Keep only ``keep[h]`` (physical indices) in each head of one layer; free the rest."""
+        return self.compact([(seq_id, layer, keep)]).pages_freed
+
+    def evict_many(self, layer: int, items: Sequence[tuple[Hashable, Keep]]) -> int:
+        """Evict in one layer of several sequences at once; returns the pages freed (net)."""
+        return self.compact([(seq_id, layer, keep) for seq_id, keep in items]).pages_freed
+
+    def compact(self, items: Sequence[tuple[Hashable, int, Keep]],
+                protected: Mapping[Hashable, int] | None = None) -> CompactionResult:
+        """Carry out keep decisions ``(seq_id, layer, keep)`` of any sequences and layers in one
+        compaction (engine/cache/compaction.py). ``protected``: leading tokens of a sequence that
+        every head keeps whatever its decision says (a shared prefix)."""
+        H = self.num_kv_heads
+        if len({(s, layer) for s, layer, _ in items}) != len(items):
+            raise ValueError("compact got the same (sequence, layer) twice")
+        if not items:
+            return CompactionResult()
+        pieces, slot_of_row, layer_of_row, prot = [], [], [], []
+        for seq_id, layer, keep in items:
+            slot = self.slot(seq_id)
+            if self.num_host_pages(seq_id, layer):  # compaction rewrites pages: cold ones come back first
+                self.recall(seq_id, layer)
+            if isinstance(keep, torch.Tensor) and keep.dim() == 2:
+                if keep.shape[0] != H:
+                    raise ValueError(f"keep must give one index list per kv-head ({H}), got shape {tuple(keep.shape)}")
+                pieces.extend(keep.unbind(0))
+            elif not isinstance(keep, torch.Tensor) and len(keep) == H:
+                pieces.extend(torch.as_tensor(k, dtype=torch.int64).reshape(-1) for k in keep)
+            else:
+                raise ValueError(f"keep must give one index list per kv-head ({H}), got {type(keep).__name__}")
+            slot_of_row.append(slot)
+            layer_of_row.append(layer)
+            prot.append((protected or {}).get(seq_id, 0))
+        n = len(items)
+        slots = torch.tensor(slot_of_row).repeat_interleave(H)
+        layers = torch.tensor(layer_of_row).repeat_interleave(H)
+        heads = torch.arange(H).repeat(n)
+        mask = mask_from_indices(pieces, self.lengths[slots, layers, heads], self.device)
+        protect = torch.tensor(prot).repeat_interleave(H) if any(prot) else None
+        return compact(self, slots, layers, heads, mask, protect)
+
+    def compact_mask(self, slots: torch.Tensor, layers: torch.Tensor, heads: torch.Tensor, keep: torch.Tensor,
+                     protect: torch.Tensor | None = None) -> CompactionResult:
+        """The same with the decision as a keep mask ``[R, T]`` over rows (slot, layer, head)."""
+        if getattr(self, "host_tables", None) is not None:
+            seq_at = {s: q for q, s in self._slot_of.items()}
+            for s, layer in {(int(s), int(layer)) for s, layer in zip(slots, layers)}:
+                if self._cold[s, layer]:
+                    self.recall(seq_at[s], layer)
+        return compact(self, slots, layers, heads, keep, protect)
+
+    def compact_seq(self, seq_id: Hashable, keep: torch.Tensor, protect: int = 0) -> CompactionResult:
+        """Every layer and head of one sequence at once: ``keep`` ``[L, H, T]`` bool (device)."""
+        s = self.slot(seq_id)
+        L, H = self.num_layers, self.num_kv_heads
+        slots = torch.full((L * H,), s)
+        layers = torch.arange(L).repeat_interleave(H)
+        heads = torch.arange(H).repeat(L)
+        return self.compact_mask(slots, layers, heads, keep.reshape(L * H, -1),
+                                 torch.full((L * H,), protect) if protect else None)

@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from engine.cache.errors import OutOfPages
+
 
 class FormatError(ValueError):
     """A page format with parameters it cannot support."""
@@ -412,8 +414,6 @@ class KIVIFormat(KVFormat):
         new = (cur < 0).nonzero().flatten()
         if new.numel():
             if new.numel() > len(self._free_stage):
-                from engine.cache.pages import OutOfPages
-
                 raise OutOfPages(f"kivi: {new.numel()} open pages need staging, {len(self._free_stage)} staging pages free")
             got = torch.tensor([self._free_stage.pop() for _ in range(new.numel())], dtype=torch.int64)
             cur[new] = got

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from engine.cache.errors import OutOfPages
 from engine.cache.formats import KVFormat, PlainFormat
 
-
-class OutOfPages(RuntimeError):
-    """More pages were asked for than the pool has free."""
+__all__ = ["OutOfPages", "PagePool"]
 
 
 class PagePool:

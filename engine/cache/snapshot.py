@@ -16,7 +16,7 @@ from typing import Any
 import msgpack
 import torch
 
-from engine.cache.manager import KVSnapshot
+from engine.cache.fork_snapshot import KVSnapshot
 
 MAGIC = b"CKV1"
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.int16,

@@ -78,11 +78,14 @@ def check_plans(batch) -> None:
 
 
 def install(engine) -> None:
-    """Route ``engine``'s scheduler and chain cache through agreed capacity and checked plans."""
+    """Route ``engine``'s scheduler and chain cache (its tiers: reclaiming, restoring) through agreed
+    capacity and checked plans. The step loop keeps the rank's own manager (it only releases)."""
     view = CapacityView(engine.manager)
     engine.scheduler.manager = view
     engine.chains.manager = view
-    engine.chains.restore_pages = _agreed_restore_pages(engine.chains.restore_pages)
+    tiers = engine.chains.tiers  # the scheduler's reclaimer
+    tiers.manager = view
+    tiers.restore_pages = _agreed_restore_pages(tiers.restore_pages)
     schedule = engine.scheduler.schedule
 
     def checked_schedule():

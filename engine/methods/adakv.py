@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from engine.distributed import group
 from engine.lifecycle import MethodError, MethodSpec
+from engine.methods.registry import get_method_class, register
 from engine.methods.scored import ScoredEviction, topk_across_heads
 
 
@@ -40,6 +41,7 @@ class AdaKVParams:
     alpha_safeguard: float = 0.2
 
 
+@register
 class AdaKV(ScoredEviction):
     name = "adakv"
     Params = AdaKVParams
@@ -47,27 +49,20 @@ class AdaKV(ScoredEviction):
 
     def __init__(self, spec, shape):
         super().__init__(spec, shape)
-        from engine.methods import get_method_class  # the registry imports this module
-
         cls = get_method_class(self.params.scorer)
         if not issubclass(cls, ScoredEviction) or cls is AdaKV:
             raise MethodError(f"adakv.scorer must be a scoring eviction method, not {self.params.scorer!r}")
         if not 0 <= self.params.alpha_safeguard <= 1:
             raise MethodError(f"adakv.alpha_safeguard must be in [0, 1], not {self.params.alpha_safeguard}")
-        self.inner = cls(MethodSpec(self.params.scorer, spec.budget, spec.budget_ratio), shape)
+        self.scorer = cls(MethodSpec(self.params.scorer, spec.budget, spec.budget_ratio), shape)
+        """The wrapped method: its rule scores the tokens and keeps the per-sequence state."""
 
-    # the inner method's rule
-    def on_admit(self, seq) -> None:
-        self.inner.on_admit(seq)
-
-    def observe(self, layer, chunk) -> None:
-        self.inner.observe(layer, chunk)
-
-    def probs_window(self, chunk) -> int:
-        return self.inner.probs_window(chunk)
+    @property
+    def rule(self) -> ScoredEviction:
+        return self.scorer
 
     def score(self, layer, chunk):
-        return self.inner.score(layer, chunk)
+        return self.scorer.score(layer, chunk)
 
     # Ada-KV's allocation
     def select(self, layer, scores, lengths, num_tokens):
@@ -82,18 +77,3 @@ class AdaKV(ScoredEviction):
         every_len = group.all_gather_first(lengths.to(scores.device, torch.int64)).cpu()
         keep = topk_across_heads(every, every_len, len(every_len) * budget, floor)
         return keep[group.rank() * H : (group.rank() + 1) * H]
-
-    def on_kept(self, layer, seq_id, keep) -> None:
-        self.inner.on_kept(layer, seq_id, keep)
-
-    def state_dict(self, seq_id):
-        return self.inner.state_dict(seq_id)
-
-    def load_state_dict(self, seq_id, state) -> None:
-        self.inner.load_state_dict(seq_id, state)
-
-    def fork_state(self, seq_id, child_id) -> None:
-        self.inner.fork_state(seq_id, child_id)
-
-    def release(self, seq_id) -> None:
-        self.inner.release(seq_id)

@@ -7,7 +7,9 @@ Rule: keep everything. Parameters: none.
 from __future__ import annotations
 
 from engine.lifecycle import SparseMethod
+from engine.methods.registry import register
 
 
+@register
 class Dense(SparseMethod):
     name = "dense"

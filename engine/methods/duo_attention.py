@@ -5,7 +5,7 @@ Streaming Heads" (ICLR 2025); reference code mit-han-lab/duo-attention (``duo_at
 ``attn_patterns/``).
 Rule: a calibration gives every (layer, kv-head) a score of how much it needs distant context
 (``chainkv calibrate duo_attention``, on locally generated passkey-retrieval data; see
-engine/duo_calibration.py). The ``sparsity`` fraction of heads with the lowest scores become
+engine/methods/duo_calibration.py). The ``sparsity`` fraction of heads with the lowest scores become
 *streaming heads*: after every prefill chunk and decode step they keep only their first ``n_sink``
 tokens and their most recent ones, and the rest of their pages go back to the pool. The other
 (*retrieval*) heads keep every token. Memory falls with the sparsity while the heads that retrieve
@@ -37,6 +37,7 @@ import torch
 
 from engine.distributed import group
 from engine.lifecycle import DecodeBatch, MethodError, PrefillChunk, SparseMethod, recent_and_sink
+from engine.methods.registry import register
 
 PATTERN_DIR = Path(__file__).parent / "patterns"
 
@@ -79,6 +80,7 @@ def streaming_heads(scores: torch.Tensor, sparsity: float) -> torch.Tensor:
     return mask.view_as(scores)
 
 
+@register
 class DuoAttention(SparseMethod):
     name = "duo_attention"
     Params = DuoAttentionParams

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache.manager import to_device
+from engine.cache.transfer import to_device
 from engine.lifecycle import MethodError, PrefillChunk
+from engine.methods.registry import register
 from engine.methods.scored import ScoredEviction, force_keep
 
 
@@ -106,6 +107,7 @@ def expected_attention_scores(k: torch.Tensor, v: torch.Tensor, lengths: torch.T
     return force_keep(scores, valid & (t < n_sink)[None, :])
 
 
+@register
 class ExpectedAttention(ScoredEviction):
     name = "expected_attention"
     Params = ExpectedAttentionParams

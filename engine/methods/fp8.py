@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.lifecycle import KVLayout, MethodError, SparseMethod
+from engine.methods.registry import register
 
 
 @dataclass
@@ -23,6 +24,7 @@ class FP8Params:
     fp8: str = "e4m3"
 
 
+@register
 class FP8(SparseMethod):
     name = "fp8"
     Params = FP8Params

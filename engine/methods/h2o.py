@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.cache.manager import to_device
+from engine.cache.transfer import to_device
 from engine.lifecycle import ChunkInfo, DecodeBatch, MethodError, PrefillChunk
+from engine.methods.registry import register
 from engine.methods.scored import ScoredEviction, force_keep, topk_per_head
 
 
@@ -52,6 +53,7 @@ def h2o_scores(acc: torch.Tensor, lengths: torch.Tensor, recent: int) -> torch.T
     return force_keep(acc.masked_fill(t >= n, float("-inf")), (t >= n - recent) & (t < n))
 
 
+@register
 class H2O(ScoredEviction):
     name = "h2o"
     Params = H2OParams
@@ -62,9 +64,6 @@ class H2O(ScoredEviction):
         if not 0 <= self.params.recent_ratio <= 1:
             raise MethodError(f"h2o.recent_ratio must be in [0, 1], not {self.params.recent_ratio}")
         self._acc: dict[tuple, torch.Tensor] = {}
-
-    def kept_tokens(self, num_tokens: int) -> int:
-        return min(num_tokens, self.budget_for(num_tokens))
 
     def _recent(self, budget: int) -> int:
         return round(self.params.recent_ratio * budget)

@@ -38,6 +38,7 @@ import torch
 
 from engine.lifecycle import DecodeBatch, MethodError, PrefillChunk, Selection, SparseMethod
 from engine.methods.page_selection import PageSummaries, page_counts, select_pages
+from engine.methods.registry import register
 
 
 @dataclass
@@ -47,6 +48,7 @@ class OffloadParams:
     use_host: bool = True
 
 
+@register
 class InfLLMOffload(SparseMethod):
     name = "offload"
     Params = OffloadParams

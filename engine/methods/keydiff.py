@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.cache.manager import to_device
+from engine.cache.transfer import to_device
 from engine.lifecycle import PrefillChunk
+from engine.methods.registry import register
 from engine.methods.scored import ScoredEviction
 
 
@@ -30,6 +31,7 @@ def keydiff_scores(k: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return -F.cosine_similarity(k.float(), anchor, dim=-1)
 
 
+@register
 class KeyDiff(ScoredEviction):
     name = "keydiff"
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.lifecycle import KVLayout, MethodError, SparseMethod
+from engine.methods.registry import register
 
 
 @dataclass
@@ -43,6 +44,7 @@ class KIVIParams:
     residual_length: int = 128
 
 
+@register
 class KIVI(SparseMethod):
     name = "kivi"
     Params = KIVIParams

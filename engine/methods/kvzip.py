@@ -30,8 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache.manager import to_device
+from engine.cache.transfer import to_device
 from engine.lifecycle import MethodError, PrefillChunk, ScoringPass, SeqInfo, SparseMethod
+from engine.methods.registry import register
 from engine.methods.scored import topk_per_head
 
 
@@ -54,10 +55,12 @@ def reconstruction_scores(probs: torch.Tensor, context_lengths: torch.Tensor) ->
     return scores.masked_fill(t[None, :] >= to_device(context_lengths, scores.device)[:, None], float("-inf"))
 
 
+@register
 class KVzip(SparseMethod):
     name = "kvzip"
     Params = KVzipParams
     needs_budget = True
+    holds_budget = True
 
     def __init__(self, spec, shape):
         super().__init__(spec, shape)
@@ -66,9 +69,6 @@ class KVzip(SparseMethod):
             raise MethodError("kvzip: chunk_size must be >= 1 and n_sink >= 0")
         self._scores: dict = {}  # (seq, layer) -> [H, Tc] running max
         self._lengths: dict = {}  # (seq, layer) -> [H] history lengths
-
-    def kept_tokens(self, num_tokens: int) -> int:
-        return min(num_tokens, self.budget_for(num_tokens))
 
     def repeat_prompt_ids(self, tokenizer) -> list[int]:
         """The instruction that precedes each reconstructed chunk (none without a tokenizer)."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.lifecycle import DecodeBatch, MethodError, Selection, SparseMethod
+from engine.methods.registry import register
 
 
 @dataclass
@@ -33,6 +34,7 @@ class OmniKVParams:
     """Comma-separated layer indices (a list of ints is accepted too)."""
 
 
+@register
 class OmniKV(SparseMethod):
     name = "omnikv"
     Params = OmniKVParams

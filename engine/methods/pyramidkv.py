@@ -19,6 +19,7 @@ Parameters:
     kernel_size = 5         pooling kernel
     pooling = "avgpool"     ``avgpool`` or ``maxpool``
     beta = 20               ratio of the bottom to the top layer's budget scale (the paper's default)
+    decode_interval = 0     SnapKV's parameter; must stay 0 (per-layer budgets apply at the prompt's end)
 """
 
 from __future__ import annotations
@@ -26,15 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.lifecycle import MethodError
+from engine.methods.registry import register
 from engine.methods.scored import split_evenly
-from engine.methods.snapkv import SnapKV
+from engine.methods.snapkv import SnapKV, SnapKVParams
 
 
 @dataclass
-class PyramidKVParams:
-    window_size: int = 64
-    kernel_size: int = 5
-    pooling: str = "avgpool"
+class PyramidKVParams(SnapKVParams):
     beta: int = 20
 
 
@@ -56,6 +55,7 @@ def pyramid_budgets(num_layers: int, budget: int, window: int, context: int, bet
     return [window + b for b in split_evenly(total, line)]
 
 
+@register
 class PyramidKV(SnapKV):
     name = "pyramidkv"
     Params = PyramidKVParams
@@ -64,6 +64,8 @@ class PyramidKV(SnapKV):
         super().__init__(spec, shape)
         if self.params.beta <= 0:
             raise MethodError(f"pyramidkv.beta must be > 0, not {self.params.beta}")
+        if self.params.decode_interval:
+            raise MethodError("pyramidkv compresses at the end of a prompt only (decode_interval must be 0)")
 
     def layer_budgets(self, layer: int, lengths, num_tokens: int) -> list[int]:
         budgets = pyramid_budgets(self.shape.num_layers, self.budget_for(num_tokens), self.params.window_size,

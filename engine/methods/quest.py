@@ -37,6 +37,7 @@ from engine.lifecycle import DecodeBatch, MethodError, PrefillChunk, Selection, 
 from engine.methods import quest_triton
 from engine.methods.page_bounds import PageBounds
 from engine.methods.page_selection import select_pages
+from engine.methods.registry import register
 
 
 @dataclass
@@ -56,6 +57,7 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torc
     return s.amax(-2)
 
 
+@register
 class Quest(SparseMethod):
     name = "quest"
     Params = QuestParams

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from engine.lifecycle import DecodeBatch, MethodError, SparseMethod
 from engine.methods.decode_window import DecodeWindow, window_probs
+from engine.methods.registry import register
 from engine.methods.scored import force_keep, pool_1d, topk_per_head
 
 
@@ -64,10 +65,12 @@ def rkv_scores(probs: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, kern
     return force_keep(out, window)
 
 
+@register
 class RKV(SparseMethod):
     name = "rkv"
     Params = RKVParams
     needs_budget = True
+    holds_budget = True
 
     def __init__(self, spec, shape):
         super().__init__(spec, shape)
@@ -76,8 +79,8 @@ class RKV(SparseMethod):
             raise MethodError("rkv: interval, window_size, kernel_size must be >= 1 and lam in [0, 1]")
         self._window = DecodeWindow(p.window_size)
 
-    def kept_tokens(self, num_tokens: int) -> int:
-        return min(num_tokens, self.budget_for(num_tokens) + self.params.interval)
+    def kept_slack(self) -> int:
+        return self.params.interval
 
     def after_decode(self, layer: int, batch: DecodeBatch):
         out = {}

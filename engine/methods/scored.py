@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
-from engine.cache.manager import to_device
+from engine.cache.transfer import to_device
 from engine.distributed import group
 from engine.lifecycle import ChunkInfo, PrefillChunk, SparseMethod
 
@@ -108,17 +108,19 @@ class ScoredEviction(SparseMethod, ABC):
     """Base of the prefill-end eviction methods: score each head's tokens, keep the top."""
 
     needs_budget = True
+    holds_budget = True
     spans_heads = False
     """The rule reads every head of a layer (a mean or a top-k across heads). Under tensor
     parallelism a layer's heads are split over ranks, so such a method runs a collective, and the
     decision whether a layer is compressed at all is taken over every rank's heads."""
 
-    # --- the rule (subclasses) ---------------------------------------------------------------
-    def kept_tokens(self, num_tokens: int) -> int:
-        """Tokens per head right after compression: the budget (per-layer or per-head budgets,
-        pyramidkv and adakv, average to it)."""
-        return min(num_tokens, self.budget_for(num_tokens))
+    @property
+    def rule(self) -> "ScoredEviction":
+        """Whose rule scores the tokens (``observe``, ``probs_window``, ``score``, ``on_kept``) and
+        holds the per-sequence state: the method itself, or the scorer a wrapper holds (adakv)."""
+        return self
 
+    # --- the rule (subclasses) ---------------------------------------------------------------
     def observe(self, layer: int, chunk: PrefillChunk) -> None:
         pass
 
@@ -140,10 +142,11 @@ class ScoredEviction(SparseMethod, ABC):
 
     # --- hooks ---------------------------------------------------------------------------------
     def prefill_probs_window(self, chunk: ChunkInfo) -> int:
-        return self.probs_window(chunk) if chunk.is_last else 0
+        return self.rule.probs_window(chunk) if chunk.is_last else 0
 
     def after_prefill_chunk(self, layer: int, chunk: PrefillChunk):
-        self.observe(layer, chunk)
+        rule = self.rule
+        rule.observe(layer, chunk)
         if not chunk.is_last:
             return None
         budgets = self.layer_budgets(layer, chunk.lengths, chunk.num_tokens)
@@ -152,9 +155,42 @@ class ScoredEviction(SparseMethod, ABC):
             due = group.any_rank(due)
         if not due:
             return None
-        keep = self.select(layer, self.score(layer, chunk), chunk.lengths, chunk.num_tokens)
-        self.on_kept(layer, chunk.seq_id, keep)
+        keep = self.select(layer, rank_protected_last(rule.score(layer, chunk), chunk.protected), chunk.lengths,
+                           chunk.num_tokens)
+        rule.on_kept(layer, chunk.seq_id, keep)
         return keep
+
+    # --- per-sequence state: the rule's (a wrapper's scorer keeps it) ----------------------------
+    def on_admit(self, seq) -> None:
+        if self.rule is not self:
+            self.rule.on_admit(seq)
+
+    def state_dict(self, seq_id):
+        return self.rule.state_dict(seq_id) if self.rule is not self else super().state_dict(seq_id)
+
+    def load_state_dict(self, seq_id, state) -> None:
+        if self.rule is not self:
+            self.rule.load_state_dict(seq_id, state)
+        else:
+            super().load_state_dict(seq_id, state)
+
+    def fork_state(self, seq_id, child_id) -> None:
+        if self.rule is not self:
+            self.rule.fork_state(seq_id, child_id)
+
+    def release(self, seq_id) -> None:
+        if self.rule is not self:
+            self.rule.release(seq_id)
+
+
+def rank_protected_last(scores: torch.Tensor, protected: int) -> torch.Tensor:
+    """``scores`` ``[H, T]`` with the first ``protected`` tokens of every head ranked below all
+    others. The cache keeps them whatever is chosen (a prefix whose pages other sequences share),
+    so the budget goes to the other tokens and every head ends with ``protected + budget``: heads
+    of one length, which attend and score in one batch."""
+    if protected <= 0:
+        return scores
+    return scores.masked_fill(torch.arange(scores.shape[-1], device=scores.device) < protected, float("-inf"))
 
 
 def force_keep(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

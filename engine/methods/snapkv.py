@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache.manager import to_device
-from engine.lifecycle import ChunkInfo, DecodeBatch, MethodError, PrefillChunk
+from engine.cache.transfer import to_device
+from engine.lifecycle import ChunkInfo, DecodeBatch, KeepMask, MethodError, PrefillChunk
 from engine.methods.decode_window import DecodeWindow, window_probs
-from engine.methods.scored import ScoredEviction, pool_1d, topk_per_head
+from engine.methods.registry import register
+from engine.methods.scored import ScoredEviction, pool_1d, rank_protected_last, topk_per_head
 
 
 @dataclass
@@ -41,18 +42,25 @@ class SnapKVParams:
 
 def snapkv_scores(probs: torch.Tensor, lengths: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
     """SnapKV's score from window probabilities ``[Hq, w, T]``: ``[H, T]``, the window (the last w
-    tokens of each head) ranked above every other token, later ones higher, -inf past each head's end.
+    tokens of each head) ranked above every other token, later ones higher, -inf past each head's end."""
+    return scores_from_window_sums(probs[..., : int(lengths.max())].float().sum(1), probs.shape[1], lengths,
+                                   kernel_size, pooling)
+
+
+def scores_from_window_sums(summed: torch.Tensor, w: int, lengths: torch.Tensor, kernel_size: int,
+                            pooling: str) -> torch.Tensor:
+    """The same from the window's probabilities summed over its ``w`` queries, ``[Hq, T]``, rows of
+    query heads grouped by kv-head (several layers stacked are several groups of heads).
 
     All heads at once: each head's prefix (its tokens before the window) is pooled as if on its own
     — past it the row holds the pooling's own padding (0 for avgpool, -inf for maxpool). A handful of
-    kernels per layer (this runs for every layer of every compressed prompt)."""
-    Hq, w, T = probs.shape
+    kernels whatever the number of heads."""
     H = len(lengths)
     Tmax = int(lengths.max())  # host lengths: no device sync
-    n = to_device(lengths, probs.device)[:, None]
-    t = torch.arange(Tmax, device=probs.device)[None, :]
+    n = to_device(lengths, summed.device)[:, None]
+    t = torch.arange(Tmax, device=summed.device)[None, :]
     prefix = t < (n - w).clamp(min=0)  # [H, Tmax]
-    summed = probs[..., :Tmax].float().sum(1).view(H, Hq // H, Tmax)
+    summed = summed[:, :Tmax].view(H, -1, Tmax)
     summed = summed.masked_fill(~prefix[:, None], float("-inf") if pooling == "maxpool" else 0.0)
     pooled = pool_1d(summed, kernel_size, pooling).mean(1).masked_fill(~prefix, float("-inf"))
     # a pooled score is at most a sum of w probabilities, <= w: the window's ramp above w + 1 outranks it
@@ -60,6 +68,18 @@ def snapkv_scores(probs: torch.Tensor, lengths: torch.Tensor, kernel_size: int, 
     return torch.where(~prefix & (t < n), ramp, pooled)
 
 
+@dataclass
+class _Deferred:
+    """A prompt's last chunk, recorded layer by layer during the pass and scored after it."""
+
+    num_tokens: int
+    length: int  # tokens per head, the same in every layer and head
+    window: int
+    protected: int
+    sums: dict[int, torch.Tensor]  # layer -> window-summed probabilities [Hq, length]
+
+
+@register
 class SnapKV(ScoredEviction):
     name = "snapkv"
     Params = SnapKVParams
@@ -67,13 +87,17 @@ class SnapKV(ScoredEviction):
     def __init__(self, spec, shape):
         super().__init__(spec, shape)
         p = self.params
-        self.decode_interval = getattr(p, "decode_interval", 0)  # subclasses (PyramidKV) may not have it
+        self.decode_interval = p.decode_interval
         if p.window_size < 1 or p.kernel_size < 1 or self.decode_interval < 0:
             raise MethodError(f"{self.name}: window_size and kernel_size must be >= 1, decode_interval >= 0")
         if p.pooling not in ("avgpool", "maxpool"):
             raise MethodError(f"{self.name}.pooling must be avgpool or maxpool, not {p.pooling!r}")
         self._decode = DecodeWindow(p.window_size) if self.decode_interval else None
         self._tail: dict[tuple, tuple[torch.Tensor, int]] = {}  # (seq, layer) -> (last queries, end position)
+        # prompts whose every layer is scored at once after the pass: one budget for every layer
+        # (pyramidkv's per-layer budgets score layer by layer)
+        self._defers = type(self).layer_budgets is ScoredEviction.layer_budgets
+        self._deferred: dict = {}  # seq -> _Deferred
 
     def probs_window(self, chunk: ChunkInfo) -> int:
         return min(self.params.window_size, chunk.length)
@@ -99,6 +123,49 @@ class SnapKV(ScoredEviction):
                                  self.shape.head_dim ** -0.5)
         return snapkv_scores(probs, chunk.lengths, self.params.kernel_size, self.params.pooling)
 
+    # --- every layer of a prompt scored at once -----------------------------------------------------
+    def after_prefill_chunk(self, layer: int, chunk: PrefillChunk):
+        """A prompt's last chunk whose heads all hold the same number of tokens (the usual case) is
+        recorded, its window's probabilities summed, and scored with every other layer once the
+        pass is queued (``after_prefill_pass``): a few kernels per prompt instead of a few per layer.
+        Other chunks take the rule layer by layer (ScoredEviction)."""
+        lengths = chunk.lengths
+        if not (self._defers and chunk.is_last and bool((lengths == lengths[0]).all())):
+            return super().after_prefill_chunk(layer, chunk)
+        self.observe(layer, chunk)
+        T, budget = int(lengths[0]), self.budget_for(chunk.num_tokens)
+        if T <= budget:
+            return None
+        rec = self._deferred.get(chunk.seq_id)
+        if (chunk.seq_id, layer) in self._tail or (rec is not None and rec.length != T):
+            scores = rank_protected_last(self.score(layer, chunk), chunk.protected)  # the window spans chunks
+            keep = self.select(layer, scores, lengths, chunk.num_tokens)
+            self.on_kept(layer, chunk.seq_id, keep)
+            return keep
+        if rec is None:
+            rec = self._deferred[chunk.seq_id] = _Deferred(chunk.num_tokens, T, chunk.probs.shape[1], chunk.protected, {})
+        rec.sums[layer] = chunk.probs[..., :T].float().sum(1)
+        return None
+
+    def after_prefill_pass(self) -> KeepMask | None:
+        deferred, self._deferred = self._deferred, {}
+        if not deferred:
+            return None
+        H = self.shape.num_kv_heads
+        T = max(rec.length for rec in deferred.values())
+        device = next(iter(next(iter(deferred.values())).sums.values())).device
+        mask = torch.ones(len(deferred), self.shape.num_layers, H, T, dtype=torch.bool, device=device)  # keep
+        for b, rec in enumerate(deferred.values()):
+            layers = sorted(rec.sums)
+            rows = len(layers) * H
+            sums = torch.cat([rec.sums[layer] for layer in layers])  # [layers * Hq, length]
+            scores = scores_from_window_sums(sums, rec.window, torch.full((rows,), rec.length),
+                                             self.params.kernel_size, self.params.pooling)
+            best = rank_protected_last(scores, rec.protected).topk(self.budget_for(rec.num_tokens), dim=-1).indices
+            kept = torch.zeros(rows, rec.length, dtype=torch.bool, device=device).scatter_(1, best, True)
+            mask[b, layers, :, : rec.length] = kept.view(len(layers), H, rec.length)
+        return KeepMask(list(deferred), mask)
+
     # --- optional decode-time compression -------------------------------------------------------
     def decode_hooks_due(self, seq_ids, lengths) -> bool:
         return self._decode is not None  # every step: it records the decode queries
@@ -121,6 +188,7 @@ class SnapKV(ScoredEviction):
         return out
 
     def release(self, seq_id) -> None:
+        self._deferred.pop(seq_id, None)
         for key in [k for k in self._tail if k[0] == seq_id]:
             del self._tail[key]
         if self._decode is not None:

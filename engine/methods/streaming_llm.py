@@ -31,6 +31,7 @@ import torch
 
 from engine.cache.transfer import to_device
 from engine.lifecycle import KeepMask, MethodError, PrefillChunk, SparseMethod, recent_and_sink
+from engine.methods.registry import register
 
 
 @dataclass
@@ -39,10 +40,12 @@ class StreamingLLMParams:
     slack: int = 64
 
 
+@register
 class StreamingLLM(SparseMethod):
     name = "streaming_llm"
     Params = StreamingLLMParams
     needs_budget = True
+    holds_budget = True
 
     def __init__(self, spec, shape):
         super().__init__(spec, shape)
@@ -51,8 +54,8 @@ class StreamingLLM(SparseMethod):
         if spec.budget is not None and spec.budget <= self.params.n_sink:
             raise MethodError(f"streaming_llm budget ({spec.budget}) must exceed n_sink ({self.params.n_sink})")
 
-    def kept_tokens(self, num_tokens: int) -> int:
-        return min(num_tokens, self.budget_for(num_tokens) + self.params.slack)
+    def kept_slack(self) -> int:
+        return self.params.slack
 
     def after_prefill_chunk(self, layer: int, chunk: PrefillChunk):
         lengths = chunk.lengths

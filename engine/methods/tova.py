@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from engine.distributed import group
 from engine.lifecycle import ChunkInfo, DecodeBatch, PrefillChunk
+from engine.methods.registry import register
 from engine.methods.scored import ScoredEviction, group_mean, topk_per_head
 
 
@@ -48,13 +49,11 @@ def tova_scores(probs: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return group_mean(probs, H)[:, :mine]
 
 
+@register
 class TOVA(ScoredEviction):
     name = "tova"
     needs_decode_probs = True
     spans_heads = True
-
-    def kept_tokens(self, num_tokens: int) -> int:
-        return min(num_tokens, self.budget_for(num_tokens))
 
     def probs_window(self, chunk: ChunkInfo) -> int:
         return 1

@@ -13,6 +13,7 @@ import os
 
 import grpc
 import pytest
+from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -221,11 +222,25 @@ def mutated(draw):
     return bytes(data)
 
 
+REQUEST_TYPES = {"Turn": pb.TurnRequest, "GetServerInfo": pb.GetServerInfoRequest, "Resume": pb.ResumeRequest,
+                 "GetSession": pb.GetSessionRequest, "EndSession": pb.EndSessionRequest,
+                 "ForkSession": pb.ForkSessionRequest, "PruneHistory": pb.PruneHistoryRequest}
+
+
+def parsed(rpc: str, data: bytes):
+    """``data`` as ``rpc``'s request message, or None when it is not one."""
+    try:
+        return REQUEST_TYPES[rpc].FromString(data)
+    except DecodeError:
+        return None
+
+
 @FUZZ
 @given(rpc=st.sampled_from(["Turn", *sorted(UNARY)]), data=st.one_of(st.binary(max_size=96), mutated()))
 def test_fuzz_raw_bytes(fuzz_server, reliability_report, rpc, data):
-    """Arbitrary bytes, and damaged valid requests, as the request message: they parse (as
-    something) or get INVALID_ARGUMENT."""
+    """Arbitrary bytes, and damaged valid requests, as the request message: bytes that do not parse
+    as the request get INVALID_ARGUMENT; bytes that do are a request like any other (a bad session
+    id in it gets INVALID_ARGUMENT too)."""
     _, channel = fuzz_server
     path = f"/chainkv.v1.Sidecar/{rpc}"
     if rpc == "Turn":
@@ -234,4 +249,16 @@ def test_fuzz_raw_bytes(fuzz_server, reliability_report, rpc, data):
     else:
         call = lambda: channel.unary_unary(path, request_serializer=lambda b: b,  # noqa: E731
                                            response_deserializer=lambda b: b)(data, metadata=GOOD, timeout=60)
-    call_survives(reliability_report, channel, f"raw:{rpc}", call, data)
+    code = call_survives(reliability_report, channel, f"raw:{rpc}", call, data)
+    request = parsed(rpc, data)
+    want = C.INVALID_ARGUMENT if request is None else expected_code(request, GOOD)
+    if want is not None:
+        assert code == want, f"raw:{rpc}: {code}, expected {want}, for {data!r}"
+
+
+def test_the_raw_bytes_check_sees_both_kinds_of_input():
+    """The property above is only worth its name if the fuzzed inputs include bytes that do not
+    parse, and bytes that do, for Turn."""
+    assert parsed("Turn", VALID) is not None
+    assert parsed("Turn", b"\xff\xff\xff") is None  # a truncated varint tag
+    assert parsed("Turn", VALID.replace(b"Hello there", b"\xff\xfe\xfdlo there")) is None  # not UTF-8

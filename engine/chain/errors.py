@@ -1,0 +1,31 @@
+"""Errors of session requests (the sidecar maps each to a gRPC status)."""
+
+from __future__ import annotations
+
+
+class SessionError(ValueError):
+    """A session request that cannot be carried out as asked."""
+
+
+class SessionNotFound(SessionError):
+    pass
+
+
+class SessionBusy(SessionError):
+    """A turn is already running on the session."""
+
+
+class HistoryMismatch(SessionError):
+    """The tokens given do not extend the session's history."""
+
+
+class TurnIndexMismatch(SessionError):
+    """``expected_turn_index`` is not the session's turn index (optimistic concurrency)."""
+
+
+class SessionExists(SessionError):
+    """A session id that is already taken (fork target, loaded snapshot)."""
+
+
+class ContextFull(SessionError):
+    """The turn would make the session's history reach ``max_model_len``."""

@@ -1,0 +1,82 @@
+"""A session's engine-side record (``Chain``), its states and the tier a turn found it in."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+import numpy as np
+
+from engine.cache.snapshot import SessionSnapshot
+from engine.lifecycle import MethodSpec, Span
+from engine.prefix import QueryWindow
+from engine.sequence import Sequence
+
+
+class Tier(str, enum.Enum):
+    """Where a turn found its session."""
+
+    NEW = "new"
+    GPU = "gpu"
+    HOST = "host"
+    STORE = "store"
+    RECOMPUTE = "recompute"
+
+
+class ChainState(str, enum.Enum):
+    ACTIVE = "active"
+    IDLE = "idle"  # KV on the GPU
+    HOST = "host"  # KV in host RAM
+    HISTORY = "history"  # only the token history: the next turn re-prefills it
+
+
+@dataclass
+class TaggedSpan(Span):
+    turn: int = 0
+    pruned: bool = False
+
+
+@dataclass
+class Chain:
+    session_id: Hashable
+    seq: Sequence
+    spec: MethodSpec
+    turn_index: int = 0
+    generation: int = 0
+    state: ChainState = ChainState.IDLE
+    spans: list[TaggedSpan] = field(default_factory=list)
+    prune_log: list[dict[str, Any]] = field(default_factory=list)
+    host: SessionSnapshot | None = None
+    """The KV and method state in host RAM (state HOST), or a loaded store snapshot."""
+    host_source: Tier = Tier.HOST
+    last_used: float = field(default_factory=time.monotonic)
+    prefix_holder: tuple | None = None
+    prefix_hashes: list[bytes] = field(default_factory=list)
+    """Page hashes of a shared prefix this session prefills; a holder is registered under them
+    once the prefill reaches ``seq.prefix_boundary``."""
+    queries: QueryWindow | None = None
+    pruned_tokens: int = 0
+    _hash: Any = field(default_factory=hashlib.sha256)
+    _hashed: int = 0
+
+    def reset_digest(self) -> None:
+        self._hash, self._hashed = hashlib.sha256(), 0
+
+    @property
+    def history(self) -> list[int]:
+        return self.seq.token_ids
+
+    @property
+    def digest(self) -> str:
+        h = self._hash
+        if self._hashed < len(self.history):
+            h.update(np.asarray(self.history[self._hashed :], dtype="<u4").tobytes())
+            self._hashed = len(self.history)
+        return h.hexdigest()
+
+
+def history_digest(tokens: list[int]) -> str:
+    return hashlib.sha256(np.asarray(tokens, dtype="<u4").tobytes()).hexdigest()

@@ -1,0 +1,185 @@
+"""The step loop: schedule a batch, run it, sample, and turn tokens into outputs.
+
+``StepLoop`` owns the live requests (``seqs``) and the engine-wide counters. Each ``step`` packs
+one forward pass through the Scheduler, runs it on the ModelRunner, samples, checks stop
+conditions, and finishes requests: a one-shot request's cache is released, a session's turn ends
+in its chain (ChainCache.finish_turn / abort_turn / fail_turn).
+
+In steady greedy decoding on the GPU the loop runs one step ahead: it launches step t, then reads
+and processes the tokens of step t-1 while the GPU works (their outputs arrive one call later).
+Any other step first completes the step in flight.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Hashable
+
+from engine.chain import ChainCache
+from engine.config import EngineConfig
+from engine.runner import InFlight, ModelRunner
+from engine.sampling import sample
+from engine.scheduler import Scheduler
+from engine.sequence import PENDING, RequestOutput, Sequence, SeqStatus
+
+
+class StepLoop:
+    def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, chains: ChainCache,
+                 tokenizer: Any, eos_token_ids: set[int], max_model_len: int):
+        self.config = config
+        self.scheduler = scheduler
+        self.runner = runner
+        self.chains = chains
+        self.manager = scheduler.manager
+        self.controller = scheduler.controller
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.seqs: dict[Hashable, Sequence] = {}
+        """Live requests by id (a session's Sequence while its turn runs)."""
+        self.inflight: InFlight | None = None
+        """A launched decode step whose tokens are not read yet."""
+        self.totals = {"decoded_tokens": 0, "finished_stop": 0, "finished_length": 0, "finished_abort": 0,
+                       "finished_error": 0}
+        """Engine-wide counters since start."""
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work or self.inflight is not None
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass; outputs for every request that produced tokens or finished."""
+        touched: list[Sequence] = []
+        overlap = self._overlap_ok()
+        if not overlap and self.inflight is not None:
+            touched += self._complete(self.inflight)
+            self.inflight = None
+        batch = self.scheduler.schedule()
+        for seq, reason in batch.failed:
+            seq.error = reason
+            self.finish(seq, "error")
+            touched.append(seq)
+        if overlap and not batch.empty and self.runner.graph_ok(batch, None):
+            launched = self.runner.launch_decode(batch, self.inflight)
+            for seq in batch.decode:
+                seq.token_ids.append(PENDING)  # its value arrives when this step completes
+            previous, self.inflight = self.inflight, launched
+            if previous is not None:
+                touched += self._complete(previous)
+            return [self.output(s) for s in touched]
+        if self.inflight is not None:  # the batch needs the tokens still in flight
+            touched += self._complete(self.inflight)
+            self.inflight = None
+            batch.decode = [s for s in batch.decode if not s.finished]
+        if not batch.empty:
+            chains = self.chains.chains
+            windows = {s.seq_id: c.queries for s in _seqs_of(batch) if (c := chains.get(s.seq_id)) and c.queries}
+            result = self.runner.execute(batch, windows)
+            for seq in _seqs_of(batch):
+                if seq.prefix_boundary:
+                    self.chains.after_step(seq)
+            for seq, _ in batch.prefill:  # after the prefix holders: they keep the whole prefix
+                if seq.num_cached == seq.num_tokens:  # the turn's input is in: a method may score it
+                    self.runner.scoring_pass(seq, self.tokenizer, self.config.prefill_chunk_size)
+            for sid, rows in result.prompt_logits.items():
+                self.seqs[sid].prompt_logits.append(rows.cpu())
+            tokens = sample(result.logits, [s.params for s in result.sampling], [s.generator for s in result.sampling])
+            now = time.monotonic()
+            for seq, tok, row in zip(result.sampling, tokens, result.logits):
+                if seq.params.return_logits:
+                    seq.step_logits.append(row.cpu())
+                self._append_token(seq, tok, now)
+                touched.append(seq)
+        return [self.output(s) for s in touched]
+
+    def _overlap_ok(self) -> bool:
+        """Can the next step run ahead of its predecessor's tokens? Steady greedy decoding only."""
+        if self.runner.graphs is None or not self.config.async_decode:
+            return False
+        s = self.scheduler
+        if s.waiting or not s.running:
+            return False
+        chains = self.chains.chains
+        return all(q.in_decode and q.params.greedy and not q.params.return_logits
+                   and not (q.seq_id in chains and chains[q.seq_id].queries is not None) for q in s.running)
+
+    def _complete(self, inflight: InFlight) -> list[Sequence]:
+        """Wait for a launched step's tokens and take them in (stop checks, text, outputs)."""
+        tokens = inflight.read()  # waits for that step only, not for the one launched after it
+        now = time.monotonic()
+        done = []
+        for seq, serial, at, tok in zip(inflight.seqs, inflight.serials, inflight.slots, tokens):
+            if seq.finished or seq.turn_serial != serial or at >= len(seq.token_ids) or seq.token_ids[at] != PENDING:
+                continue  # it finished (or was restarted) meanwhile: this token is past its end
+            self._append_token(seq, tok, now, at=at)
+            done.append(seq)
+        return done
+
+    def _append_token(self, seq: Sequence, token: int, now: float, at: int | None = None) -> None:
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if at is None:
+            seq.token_ids.append(token)
+        else:
+            seq.token_ids[at] = token
+        seq.output_ids.append(token)
+        seq.pending_ids.append(token)
+        seq.in_decode = True
+        seq.counters.decoded_tokens += 1
+        self.totals["decoded_tokens"] += 1
+        p = seq.params
+        is_stop = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        if not is_stop:
+            seq.pending_text += seq.detok.push(token)
+        if is_stop or seq.detok.stopped_on is not None:
+            self.finish(seq, "stop")
+        elif len(seq.output_ids) >= p.max_tokens or len(seq.output_ids) + seq.prompt_len >= self.max_model_len:
+            self.finish(seq, "length")
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a request (``stop``, ``length``, ``abort`` or ``error``): a session's turn ends in its
+        chain, a one-shot request's cache is released."""
+        while seq.token_ids and seq.token_ids[-1] == PENDING:  # a step launched past the end
+            seq.token_ids.pop()
+        seq.num_cached = min(seq.num_cached, len(seq.token_ids))
+        seq.pending_text += seq.detok.flush()
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.totals[f"finished_{reason}"] += 1
+        self.scheduler.remove(seq)
+        if seq.seq_id in self.chains.chains:  # a session keeps its chain
+            if reason == "abort":
+                self.chains.abort_turn(seq)
+            elif reason == "error":
+                self.chains.fail_turn(seq)
+            else:
+                self.chains.finish_turn(seq)
+            return
+        if self.manager.has(seq.seq_id):
+            self.manager.release(seq.seq_id)
+        self.controller.release(seq.seq_id)
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        """The request's output since the last one (a finished request leaves ``seqs``)."""
+        out = RequestOutput(
+            request_id=seq.seq_id,
+            prompt_token_ids=seq.token_ids[: seq.prompt_len] if seq.finished else [],
+            token_ids=seq.output_ids,
+            text=seq.detok.text,
+            new_token_ids=seq.pending_ids,
+            new_text=seq.pending_text,
+            finished=seq.finished,
+            finish_reason=seq.finish_reason,
+            error=seq.error,
+            counters=seq.counters,
+            source_tier=None if seq.source_tier is None else seq.source_tier.value,
+            turn_start=seq.turn_start,
+            time_to_first_token=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+        )
+        seq.pending_ids, seq.pending_text = [], ""
+        if seq.finished:
+            self.seqs.pop(seq.seq_id, None)
+        return out
+
+
+def _seqs_of(batch) -> list[Sequence]:
+    return list(batch.decode) + [s for s, _ in batch.prefill]

@@ -1,0 +1,58 @@
+"""Exceptions -> gRPC status codes: the one table every RPC's failure goes through.
+
+The engine and the sidecar raise typed errors (a bad request, a busy or missing session, a full KV
+pool, a store that is down); ``status_for`` picks the code a client can act on. Order matters:
+the first row whose types match wins, so subclasses come before their bases. Anything not listed
+is a bug and maps to INTERNAL (and is logged with its traceback by the caller).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from engine.chain import ContextFull, SessionBusy, SessionError, SessionExists, SessionNotFound
+from engine.config import ConfigError
+from engine.lifecycle import MethodError
+from engine.llm import CapacityError, RequestError
+from engine.prune_rule import PruneRuleError
+from engine.sampling import SamplingError
+from sidecar.auth import Unauthenticated
+from sidecar.chat import ChatError
+from sidecar.engine_client import EngineFailed
+from sidecar.integrity import SnapshotRejected
+from sidecar.limits import QuotaExceeded, TurnTooLarge
+from sidecar.protocol import InvalidRequest
+from sidecar.sessions import BadSessionId
+from sidecar.store import StoreUnavailable
+
+
+class Draining(RuntimeError):
+    """The server is shutting down (UNAVAILABLE: retry on another replica)."""
+
+
+class TurnAborted(RuntimeError):
+    """The turn was stopped by something other than its caller (EndSession, a cancelled first attempt)."""
+
+
+_CODES: list[tuple[type[BaseException] | tuple[type[BaseException], ...], grpc.StatusCode]] = [
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (QuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (SnapshotRejected, grpc.StatusCode.DATA_LOSS),
+    ((InvalidRequest, TurnTooLarge, BadSessionId, ChatError, MethodError, SamplingError, ConfigError, ContextFull,
+      PruneRuleError), grpc.StatusCode.INVALID_ARGUMENT),
+    (SessionNotFound, grpc.StatusCode.NOT_FOUND),
+    (SessionExists, grpc.StatusCode.ALREADY_EXISTS),
+    ((SessionBusy, TurnAborted), grpc.StatusCode.ABORTED),
+    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (SessionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (RequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    ((StoreUnavailable, Draining, EngineFailed), grpc.StatusCode.UNAVAILABLE),
+]
+
+
+def status_for(e: BaseException) -> grpc.StatusCode:
+    """The status code a failed RPC answers with for ``e``."""
+    for kinds, code in _CODES:
+        if isinstance(e, kinds):
+            return code
+    return grpc.StatusCode.INTERNAL

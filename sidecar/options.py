@@ -1,0 +1,44 @@
+"""ServerOptions: the sidecar's settings (listening, limits, snapshots, shutdown, auth, TLS).
+
+``chainkv serve`` fills them from its flags, environment and YAML (``sidecar.serve_config``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sidecar.auth import Authenticator
+from sidecar.limits import TenantLimits
+from sidecar.protocol import Limits
+
+
+@dataclass
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    """0 picks a free port (``start`` returns it)."""
+    max_message_bytes: int = 4 * 2**20
+    """Largest request or response message; larger ones get RESOURCE_EXHAUSTED."""
+    limits: Limits = field(default_factory=Limits)
+    idempotency_window: int = 32
+    """Completed turns remembered per session for request_id replay."""
+    resume_wait_s: float = 5.0
+    """How long a request waits for the store to catch up with its expected_turn_index."""
+    snapshot_kv: bool = True
+    """Snapshots carry the KV (resume without recompute); False: only the history."""
+    snapshot_queue: int = 4096
+    """Bound of the write-behind queue of dirty sessions."""
+    snapshot_retry_max_s: float = 5.0
+    session_idle_s: float = 3600.0
+    """Sessions idle this long, with their snapshot committed, are freed here (they resume from the store)."""
+    grace_s: float = 30.0
+    """Shutdown: how long running turns may finish."""
+    flush_timeout_s: float = 30.0
+    """Shutdown: how long pending snapshots may take to write."""
+    auth: Authenticator = field(default_factory=Authenticator)
+    tenant_limits: TenantLimits = field(default_factory=TenantLimits)
+    """Per-tenant quotas: live sessions, tokens per turn (sidecar/limits.py)."""
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    """With a CA file, clients must present a certificate it signed (mutual TLS)."""

@@ -1,0 +1,136 @@
+"""SidecarServer: the sidecar's parts put together, started and stopped in order.
+
+    server = SidecarServer(engine, ServerOptions(port=50051), open_store("redis://localhost:6379"))
+    port = await server.start()
+    ...
+    await server.stop()          # health NOT_SERVING, drain running turns, flush snapshots
+
+It owns one ``EngineClient`` (the engine thread), one ``SessionManager``, the ``SnapshotWriter``
+when there is a store, the ``TurnRunner``, the ``SidecarService`` and its ``GrpcEndpoint``, and a
+janitor that frees idle sessions whose snapshots are committed. Another front (an HTTP app) serves
+the same sessions in the same process through ``server.turns`` (``TurnRunner.run_args``),
+``server.sessions`` and ``server.client``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from engine.llm import LLMEngine
+from sidecar.chat import ChatRenderer
+from sidecar.endpoint import NOT_SERVING, GrpcEndpoint
+from sidecar.engine_client import EngineClient
+from sidecar.hooks import ServerHooks
+from sidecar.options import ServerOptions
+from sidecar.service import SidecarService
+from sidecar.sessions import SessionManager
+from sidecar.snapshots import SnapshotWriter
+from sidecar.store import SessionStore
+from sidecar.turns import TurnRunner
+
+log = logging.getLogger(__name__)
+
+
+class SidecarServer:
+    """The sidecar: gRPC server, engine thread, sessions, snapshot writer, health and reflection."""
+
+    def __init__(self, engine: LLMEngine, options: ServerOptions | None = None, store: SessionStore | None = None,
+                 hooks: ServerHooks | None = None):
+        self.engine = engine
+        self.options = options or ServerOptions()
+        self.store = store
+        self.hooks = hooks or ServerHooks()
+        self.client = EngineClient(engine, on_failure=self._engine_failed)
+        self.renderer = ChatRenderer(self.client.tokenizer, set(self.client.eos_token_ids))
+        self.endpoint = GrpcEndpoint(self.options)
+        self.draining = False
+        self.port: int | None = None
+        self._stopped: asyncio.Event | None = None
+        self.sessions: SessionManager | None = None
+        self.writer: SnapshotWriter | None = None
+        self.turns: TurnRunner | None = None
+        self.service: SidecarService | None = None
+        self._janitor: asyncio.Task | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------------------
+    async def start(self) -> int:
+        o = self.options
+        self._stopped = asyncio.Event()
+        self.client.start(asyncio.get_running_loop())
+        self.hooks.on_start(self.client)
+        self.sessions = SessionManager(self.client, self.store, end_of_turn_id=self.renderer.end_of_turn_id,
+                                       idempotency_window=o.idempotency_window, resume_wait_s=o.resume_wait_s)
+        if self.store is not None:
+            self.writer = SnapshotWriter(self.store, self.client, self.sessions, with_kv=o.snapshot_kv,
+                                         max_pending=o.snapshot_queue, retry_max_s=o.snapshot_retry_max_s,
+                                         hooks=self.hooks)
+            self.writer.start()
+        self.turns = TurnRunner(self.client, self.sessions, self.renderer, limits=o.limits,
+                                tenant_limits=o.tenant_limits, hooks=self.hooks, mark_dirty=self.mark_dirty)
+        self.service = SidecarService(client=self.client, sessions=self.sessions, turns=self.turns, options=o,
+                                      hooks=self.hooks, store=self.store, mark_dirty=self.mark_dirty,
+                                      write_now=self.write_now, draining=lambda: self.draining)
+        self.port = await self.endpoint.start(self.service.handlers())
+        self._janitor = asyncio.create_task(self._janitor_loop(), name="chainkv-janitor")
+        log.info("chainkv sidecar serving on %s:%d (store: %s)", o.host, self.port,
+                 self.store.describe() if self.store else "none")
+        return self.port
+
+    def _engine_failed(self, error: BaseException) -> None:
+        asyncio.ensure_future(self.endpoint.set_health(NOT_SERVING))
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Graceful shutdown: NOT_SERVING, refuse new turns, let running ones finish (``grace``),
+        write pending snapshots, stop."""
+        if self.service is None:
+            return
+        grace = self.options.grace_s if grace is None else grace
+        await self.endpoint.set_health(NOT_SERVING)
+        self.draining = True
+        until = time.monotonic() + grace
+        while self.sessions.active_turns and time.monotonic() < until:
+            await asyncio.sleep(0.05)
+        await self.endpoint.stop(max(0.0, until - time.monotonic()))
+        await self.turns.settle_all()
+        if self.writer is not None:
+            if not await self.writer.flush(self.options.flush_timeout_s):
+                log.warning("shutdown: %d session snapshot(s) not written",
+                            sum(s.snapshot_pending for s in self.sessions.all()))
+            await self.writer.stop()
+        if self._janitor is not None:
+            self._janitor.cancel()
+        await self.client.stop()
+        if self.store is not None:
+            self.store.close()
+        self.service = None
+        self._stopped.set()
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+    # --- shared by the fronts ----------------------------------------------------------------------------
+    def mark_dirty(self, key: str) -> None:
+        """The session changed: queue its snapshot."""
+        if self.writer is not None:
+            self.writer.mark_dirty(key)
+
+    async def write_now(self, key: str) -> None:
+        if self.writer is not None:
+            await self.writer.write(key)
+
+    async def _janitor_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(60.0, max(1.0, self.options.session_idle_s / 4)))
+            try:
+                n = await self.sessions.evict_idle(self.options.session_idle_s)
+                if n:
+                    log.info("freed %d idle session(s) (their snapshots are committed)", n)
+                sweep = getattr(self.store, "sweep", None)
+                if sweep is not None:
+                    await asyncio.to_thread(sweep)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("janitor pass failed")

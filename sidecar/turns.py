@@ -1,0 +1,248 @@
+"""TurnRunner: one Turn RPC from request to completion, and what happens when it does not finish.
+
+A Turn's life: validate -> find or load the session (after any abandoned turn on it is rolled
+back) -> replay if its request_id is recorded -> take the session -> render the new messages ->
+start the turn on the engine (``EngineClient.start_turn``) -> stream deltas and tool calls as the
+engine's outputs arrive -> record the completion -> mark the session dirty for the snapshot
+writer -> release the session.
+
+A turn that does not finish is rolled back on the engine (``EngineClient.release_turn``: abort,
+then the chain undoes the turn) before the session is released:
+
+- it failed (a bad message, a prompt over quota, a full KV pool, EndSession stopping it): the
+  release is awaited *before* the error propagates, so by the time the client sees the status the
+  session is free and its next Turn is not refused as busy;
+- its caller went away (cancel, deadline): the handler is being cancelled and cannot wait, so the
+  release runs as its own task and the session is marked settling; a request that arrives for the
+  session meanwhile waits for the release (``SessionManager.get_settled``).
+
+``TurnState`` carries the turn through this: the session taken, the request, and the recorded
+completion once there is one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from engine.chain import SessionError
+from engine.llm import CapacityError
+from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
+from sidecar.chat import ChatRenderer, tools_digest
+from sidecar.engine_client import EngineClient, EngineTurn
+from sidecar.engine_results import SessionInfo, TurnResult
+from sidecar.errors import TurnAborted
+from sidecar.hooks import ServerHooks
+from sidecar.limits import QuotaExceeded, TenantLimits
+from sidecar.protocol import FINISH, TIERS, Limits, TurnArgs, parse_turn, tool_call_proto
+from sidecar.sessions import Running, Session, SessionManager, scoped_key
+from sidecar.tool_calls import ToolCallParser
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TurnState:
+    """A turn that holds its session."""
+
+    session: Session
+    key: str
+    args: TurnArgs
+    running: Running
+    started_at: float = field(default_factory=time.monotonic)
+    completion: bytes | None = None
+    """The serialized TurnCompletion once the turn finished (what a retry replays)."""
+
+    @property
+    def finished(self) -> bool:
+        return self.completion is not None
+
+
+class TurnRunner:
+    """Runs Turn requests against the engine client and the session manager."""
+
+    def __init__(self, client: EngineClient, sessions: SessionManager, renderer: ChatRenderer, *, limits: Limits,
+                 tenant_limits: TenantLimits, hooks: ServerHooks, mark_dirty: Callable[[str], None]):
+        self.client = client
+        self.sessions = sessions
+        self.renderer = renderer
+        self.limits = limits
+        self.tenant_limits = tenant_limits
+        self.hooks = hooks
+        self.mark_dirty = mark_dirty
+        self.settling: set[asyncio.Task] = set()
+        """Releases of turns whose callers went away, still running."""
+
+    async def run(self, tenant: str, request: pb.TurnRequest, deadline: float | None) -> AsyncIterator[pb.TurnEvent]:
+        """The events of one Turn RPC for ``tenant``; raises what ``status_for`` turns into a code."""
+        args = parse_turn(request, self.limits)
+        async for event in self.run_args(tenant, args, deadline, max_tokens_given=request.HasField("max_tokens")):
+            yield event
+
+    async def run_args(self, tenant: str, args: TurnArgs, deadline: float | None, *,
+                       max_tokens_given: bool) -> AsyncIterator[pb.TurnEvent]:
+        """One turn from already-checked arguments (any front: gRPC, HTTP): text and token deltas,
+        tool calls, then the completion, as ``chainkv.v1.TurnEvent`` messages."""
+        args.params.max_tokens = self.tenant_limits.check_max_tokens(tenant, args.params.max_tokens, max_tokens_given)
+        key = scoped_key(tenant, args.session_id)
+        self.check_quota(tenant, key)
+        s = await self.sessions.get_settled(key, create=True, expected_turn_index=args.expected_turn_index,
+                                            deadline=deadline)
+        if args.request_id:
+            recorded = await self._recorded(s, args.request_id)
+            if recorded is not None:
+                for event in replay_events(recorded):
+                    yield event
+                return
+        running = self.sessions.begin_turn(s, args.request_id)
+        if not s.in_engine:  # a new session: recheck the quota now that it is taken (no await since)
+            try:
+                self.tenant_limits.check_new_session(tenant, self.sessions.all(), exclude=key)
+            except QuotaExceeded:
+                self.sessions.end_turn(s, running, None)
+                raise
+        state = TurnState(session=s, key=key, args=args, running=running)
+        try:
+            async for event in self._generate(state):
+                yield event
+        except Exception:
+            if not state.finished:  # release before the error reaches the client
+                await asyncio.shield(self._release_later(state))
+            raise
+        except BaseException:  # cancelled, or the stream closed: nothing may wait here
+            if not state.finished:
+                self._release_later(state)
+            raise
+        finally:
+            if state.finished:
+                self.sessions.end_turn(s, running, state.completion)
+
+    def check_quota(self, tenant: str, key: str) -> None:
+        """A request that would hold one more session of ``tenant`` here: within its quota?"""
+        s = self.sessions.local(key)
+        if s is None or not (s.in_engine or s.busy):
+            self.tenant_limits.check_new_session(tenant, self.sessions.all(), exclude=key)
+
+    async def settle_all(self) -> None:
+        """Wait for every pending release (shutdown)."""
+        while self.settling:
+            await asyncio.gather(*list(self.settling), return_exceptions=True)
+
+    # --- internals ---------------------------------------------------------------------------------------
+    async def _recorded(self, s: Session, request_id: str) -> bytes | None:
+        if request_id in s.records:
+            return s.records[request_id]
+        if s.running is not None and s.running.request_id == request_id:
+            result = await asyncio.shield(s.running.done)
+            if result is None:
+                raise TurnAborted(f"the first attempt of request {request_id!r} did not finish; retry it")
+            return result
+        return None
+
+    async def _generate(self, state: TurnState) -> AsyncIterator[pb.TurnEvent]:
+        s, key, args = state.session, state.key, state.args
+        new = not s.in_engine
+        digest = tools_digest(args.tools)
+        if not new and args.tools and digest != s.tools_digest:
+            raise SessionError("a session's tools are fixed by its first turn; start a new session to change them")
+        if new:
+            rendered = await asyncio.to_thread(self.renderer.first_turn, args.messages, args.tools,
+                                               args.shared_prefix_messages)
+        else:
+            rendered = await asyncio.to_thread(self.renderer.continuation, args.messages, s.ends_with_eot)
+        self.tenant_limits.check_prompt(TenantLimits.tenant_of(key), len(rendered.token_ids))
+        stream = await self.client.start_turn(key, EngineTurn(
+            token_ids=rendered.token_ids, params=args.params, spans=rendered.spans, method=args.method,
+            expected_turn_index=args.expected_turn_index, shared_prefix=rendered.shared_prefix, new_session=new))
+        if new:
+            s.in_engine, s.tools_digest, s.source_tier = True, digest, "new"
+        parser, text, calls = ToolCallParser(), [], []
+        turn_index = s.turn_index
+        async for delta in stream:
+            events = parser.feed(delta.text)
+            if delta.last:
+                events += parser.finish()
+            replies = []
+            for kind, value in events:
+                if kind == "text":
+                    text.append(value)
+                    replies.append(pb.TurnEvent(delta=pb.TextDelta(text=value)))
+                else:
+                    call = tool_call_proto(turn_index, len(calls), value.name, value.arguments_json)
+                    calls.append(call)
+                    replies.append(pb.TurnEvent(tool_call=call))
+            if delta.token_ids:
+                if replies and replies[0].HasField("delta"):
+                    replies[0].delta.token_ids.extend(delta.token_ids)
+                else:
+                    replies.insert(0, pb.TurnEvent(delta=pb.TextDelta(token_ids=delta.token_ids)))
+            for r in replies:
+                yield r
+        result = stream.result
+        if result.finish_reason == "abort":
+            raise TurnAborted("the turn was stopped (the session was ended)")
+        if result.finish_reason == "error":
+            raise CapacityError(result.error or "the KV pool could not hold the turn")
+        completion = completion_proto(args, turn_index, result, "".join(text), calls)
+        if result.session is not None:
+            s.update(result.session, self.sessions.end_of_turn_id)
+        state.completion = completion.SerializeToString()
+        self.mark_dirty(key)
+        self.hooks.on_turn(completion, time.monotonic() - state.started_at)
+        yield pb.TurnEvent(completion=completion)
+
+    def _release_later(self, state: TurnState) -> asyncio.Task:
+        """Roll the unfinished turn back on the engine, then release its session, as a task of its own
+        (it outlives a cancelled handler); the session is settling until then."""
+        state.running.settling = True
+        task = asyncio.ensure_future(self._release(state))
+        self.settling.add(task)
+        task.add_done_callback(self.settling.discard)
+        return task
+
+    async def _release(self, state: TurnState) -> None:
+        s, key = state.session, state.key
+        info: SessionInfo | None
+        try:
+            info = await self.client.release_turn(key)
+        except Exception:
+            log.exception("aborting the turn on %s failed", key)
+            info = None
+        if info is None:
+            s.in_engine = False
+        else:
+            changed = info.generation != s.generation
+            s.update(info, self.sessions.end_of_turn_id)
+            if changed:
+                self.mark_dirty(key)
+        self.sessions.end_turn(s, state.running, None)
+
+
+def completion_proto(args: TurnArgs, turn_index: int, result: TurnResult, text: str,
+                     calls: list[pb.ToolCall]) -> pb.TurnCompletion:
+    """The Turn's last event: what was generated, why it stopped, and what it cost."""
+    info = result.session
+    usage = pb.Usage(prompt_tokens=result.prompt_tokens, reused_tokens=result.reused_tokens,
+                     prefilled_tokens=result.prefilled_tokens, pruned_tokens=result.pruned_tokens,
+                     generated_tokens=len(result.token_ids), time_to_first_token_s=result.time_to_first_token or 0.0,
+                     source_tier=TIERS.get(result.source_tier or "", pb.TIER_UNSPECIFIED),
+                     history_tokens=info.num_tokens if info else 0, kv_tokens=info.kv_tokens if info else 0)
+    reason = FINISH.get(result.finish_reason, pb.FINISH_REASON_STOP)
+    if calls and reason == pb.FINISH_REASON_STOP:
+        reason = pb.FINISH_REASON_TOOL_CALLS
+    return pb.TurnCompletion(session_id=args.session_id, request_id=args.request_id, turn_index=turn_index,
+                             generation=info.generation if info else 0, finish_reason=reason, text=text,
+                             tool_calls=calls, token_ids=list(result.token_ids), usage=usage)
+
+
+def replay_events(completion_bytes: bytes) -> list[pb.TurnEvent]:
+    """A recorded turn as a stream: its text, its tool calls, its completion marked replayed."""
+    c = pb.TurnCompletion.FromString(completion_bytes)
+    c.replayed = True
+    events = [pb.TurnEvent(delta=pb.TextDelta(text=c.text, token_ids=c.token_ids))]
+    events += [pb.TurnEvent(tool_call=call) for call in c.tool_calls]
+    events.append(pb.TurnEvent(completion=c))
+    return events

@@ -1,0 +1,128 @@
+"""No module of a listed package imports itself back, directly or through other modules.
+
+The graph is built from the source (``ast``), not by importing: every ``import`` statement counts,
+including ones inside functions and under ``TYPE_CHECKING`` (a deferred import hides a cycle, it
+does not remove it). ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else
+to ``pkg``. Importing a submodule does not count as importing its parent package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CYCLE_FREE = ["engine", "sidecar"]
+"""Top-level packages whose modules must form an acyclic import graph."""
+
+
+def module_files(package: str, root: Path = ROOT) -> dict[str, Path]:
+    """Module name -> file for every .py file under ``root / package``."""
+    out = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The longest prefix of dotted ``name`` that is one of ``modules``."""
+    parts = name.split(".")
+    while parts:
+        cand = ".".join(parts)
+        if cand in modules:
+            return cand
+        parts.pop()
+    return None
+
+
+def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules of ``modules`` that ``module`` (at ``path``) imports anywhere in its source."""
+    is_pkg = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                target = _resolve(alias.name, modules)
+                if target:
+                    found.add(target)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base[: len(base) - node.level + (1 if is_pkg else 0)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            for alias in node.names:
+                sub = f"{name}.{alias.name}"
+                target = sub if sub in modules else _resolve(name, modules)
+                if target:
+                    found.add(target)
+    found.discard(module)
+    return found
+
+
+def import_graph(packages: list[str], root: Path = ROOT) -> nx.DiGraph:
+    modules: dict[str, Path] = {}
+    for package in packages:
+        modules.update(module_files(package, root))
+    graph = nx.DiGraph()
+    graph.add_nodes_from(modules)
+    for module, path in modules.items():
+        graph.add_edges_from((module, target) for target in imports_of(module, path, modules))
+    return graph
+
+
+@pytest.mark.parametrize("package", CYCLE_FREE)
+def test_no_import_cycles(package):
+    graph = import_graph([package])
+    cycles = [" -> ".join(c + [c[0]]) for c in nx.simple_cycles(graph)]
+    assert not cycles, "import cycles:\n" + "\n".join(sorted(cycles))
+
+
+def test_the_check_finds_a_cycle(tmp_path):
+    """The check can fail: a two-module package that imports itself back is reported."""
+    pkg = tmp_path / "cyclic"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from cyclic.b import f\n")
+    (pkg / "b.py").write_text("def f():\n    from . import a\n")
+    (pkg / "c.py").write_text("import cyclic.a\n")  # imports into the cycle, is not part of it
+    cycles = list(nx.simple_cycles(import_graph(["cyclic"], tmp_path)))
+    assert sorted(cycles[0]) == ["cyclic.a", "cyclic.b"] and len(cycles) == 1
+
+
+LAYER_RULES = {
+    "engine.cache": ("engine.cache",),
+    "engine.lifecycle": ("engine.cache",),
+    "engine.methods": ("engine.methods", "engine.lifecycle", "engine.cache", "engine.distributed.group"),
+    "engine.distributed.group": (),
+}
+"""A module under a prefix may import only modules under the listed prefixes (docs/architecture.md).
+``engine.distributed.group`` (the tensor-parallel collectives) is a leaf: it imports nothing of the
+engine, so the methods whose rule spans a layer's heads (tova, adakv) may call it."""
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def test_engine_layers_point_down():
+    graph = import_graph(["engine"])
+    bad = [f"{a} -> {b}" for a, b in graph.edges()
+           for prefix, allowed in LAYER_RULES.items()
+           if _under(a, prefix) and not any(_under(b, p) for p in allowed)]
+    assert not bad, "imports against the layer rules:\n" + "\n".join(sorted(bad))
+
+
+def test_engine_never_imports_the_sidecar():
+    imported = set()
+    for module, path in module_files("engine").items():
+        imported |= imports_of(module, path, {**module_files("engine"), **module_files("sidecar")})
+    assert not [m for m in imported if _under(m, "sidecar")]
