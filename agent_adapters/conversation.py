@@ -71,6 +71,7 @@ class Conversations:
         if not plan.first:
             opts = {k: v for k, v in opts.items() if k not in METHOD_FIELDS}
         opts["tools"] = list(tools) if plan.first else []
+        opts.setdefault("expected_turn_index", plan.expected_turn_index)
         return opts
 
     # --- sync -------------------------------------------------------------------------------------

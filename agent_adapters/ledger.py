@@ -52,12 +52,17 @@ class Plan:
     known: bool
     """The ledger has a record for the session; False: check the sidecar does not already hold it."""
     fingerprints: list[str] = field(default_factory=list)
+    expected_turn_index: int = 0
+    """The session's turn index before this turn: the sidecar refuses the turn (FAILED_PRECONDITION)
+    if the session is elsewhere (a turn lost to a crash, another writer), instead of silently
+    giving this turn another index."""
 
 
 @dataclass
 class _Entry:
     session_id: str
     seen: list[str]
+    turns: int = 0
 
 
 class SessionLedger:
@@ -74,7 +79,7 @@ class SessionLedger:
         if e is not None:
             n = len(e.seen)
             if fps[:n] == e.seen and len(fps) > n:
-                return Plan(key, e.session_id, list(messages[n:]), False, True, fps)
+                return Plan(key, e.session_id, list(messages[n:]), False, True, fps, e.turns)
             log.warning("conversation %r does not extend what session %r holds; continuing on a fresh session",
                         key, e.session_id)
             return self._fresh(key, messages, fps)
@@ -94,7 +99,8 @@ class SessionLedger:
         """The turn finished: the session now holds the messages and its reply."""
         reply = ChatMessage("assistant", result.text, tool_calls=result.tool_calls)
         with self._lock:
-            self._entries[plan.key] = _Entry(plan.session_id, plan.fingerprints + [fingerprint(reply)])
+            self._entries[plan.key] = _Entry(plan.session_id, plan.fingerprints + [fingerprint(reply)],
+                                             result.turn_index + 1)
 
     def session_of(self, key: str) -> str | None:
         with self._lock:

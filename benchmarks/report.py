@@ -95,7 +95,7 @@ def reliability_section(d: dict) -> str:
     faults = table(d["faults"], [("fault", "fault injected"), ("count", "times"), ("sessions", "sessions"),
                                  ("sessions_lost", "sessions lost"), ("committed_turns_lost", "committed turns lost")])
     fuzz = table([{"rpc": k, "inputs": v["inputs"], "crashes": v["crashes"],
-                   "codes": ", ".join(f"{c} {n}" for c, n in sorted(v["codes"].items()))} for k, v in d["fuzz"].items()],
+                   "codes": ", ".join(f"{c} {n}" for c, n in sorted(v.get("codes", {}).items()))} for k, v in d["fuzz"].items()],
                  [("rpc", "RPC"), ("inputs", "inputs"), ("crashes", "crashes"), ("codes", "status codes")])
     load_line = (f"{load['sessions']} concurrent sessions x {load['turns_per_session']} turns "
                  f"({load['max_tokens']} tokens each) on SmolLM2 (CPU) with a {load['pool_pages']}-page pool "
@@ -114,14 +114,14 @@ def reliability_section(d: dict) -> str:
     ])
 
 
-def line_chart_svg(series: dict[str, list[float]], title: str, xlabel: str, ylabel: str) -> str:
-    """A small dependency-free SVG line chart (one line per series, x = 0, 1, 2, ...)."""
+def line_chart_svg(series: dict[str, list[float]], title: str, xlabel: str, ylabel: str, xticks: list | None = None) -> str:
+    """A small dependency-free SVG line chart (one line per series, x = 0, 1, 2, ... or ``xticks``)."""
     w, h, left, right, top, bottom = 640, 360, 64, 150, 36, 48
     n = max(len(v) for v in series.values())
     ymax = max(max(v) for v in series.values()) * 1.1 or 1.0
     px = lambda i: left + (w - left - right) * (i / max(1, n - 1))  # noqa: E731
     py = lambda y: h - bottom - (h - top - bottom) * (y / ymax)  # noqa: E731
-    colors = ["#555", "#2a7", "#27c", "#c72", "#a3a", "#c33", "#7a2"]
+    colors = ["#555", "#2a7", "#27c", "#c72", "#a3a", "#c33", "#7a2", "#0aa", "#a60", "#66f", "#e4a", "#4a4", "#940"]
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
            f'<rect width="{w}" height="{h}" fill="white"/>',
            f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="13">{title}</text>',
@@ -134,7 +134,7 @@ def line_chart_svg(series: dict[str, list[float]], title: str, xlabel: str, ylab
         out.append(f'<text x="{left - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{y:.3g}</text>')
         out.append(f'<line x1="{left}" y1="{py(y):.1f}" x2="{w - right}" y2="{py(y):.1f}" stroke="#ddd"/>')
     for i in range(n):
-        out.append(f'<text x="{px(i):.1f}" y="{h - bottom + 16}" text-anchor="middle">{i}</text>')
+        out.append(f'<text x="{px(i):.1f}" y="{h - bottom + 16}" text-anchor="middle">{i if xticks is None else xticks[i]}</text>')
     for j, (name, ys) in enumerate(series.items()):
         c = colors[j % len(colors)]
         pts = " ".join(f"{px(i):.1f},{py(y):.1f}" for i, y in enumerate(ys))
@@ -253,6 +253,20 @@ RENDERERS = {
     "quality_eviction_window16": lambda d: quality_section(d, "snapkv and pyramidkv with a 16-token observation window"),
     "quant_quality": quant_section,
 }
+
+
+def _agent_quality(stem: str):
+    def render(d: dict) -> str:
+        import sys
+
+        sys.path.insert(0, str(ROOT))  # run as a script, benchmarks/ is not a package on the path
+        from benchmarks.agent_quality_report import section  # it imports this module
+
+        return section(d, stem)
+    return render
+
+
+RENDERERS.update({s: _agent_quality(s) for s in ("agent_quality_cpu", "agent_quality_gpu")})
 
 
 def main() -> None:

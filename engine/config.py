@@ -136,14 +136,28 @@ class EngineConfig:
     def from_yaml(cls, path: str) -> "EngineConfig":
         import yaml
 
-        with open(path) as f:
-            values = yaml.safe_load(f) or {}
+        values = load_yaml(path)
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected a mapping of engine settings at the top level")
         return cls.from_dict(values)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def load_yaml(path: str) -> Any:
+    """A YAML file's contents; a missing, unreadable or malformed file is one ConfigError line."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"cannot read the config file {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError(f"{path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
 
 
 def _check(ok: bool, message: str) -> None:

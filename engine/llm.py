@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from typing import Any, Hashable, Iterable
 
 import torch
@@ -22,6 +23,7 @@ from engine.cache.manager import CacheManager
 from engine.cache.pages import PagePool
 from engine.chain import ChainCache, ChainState, SessionError, Tier
 from engine.config import EngineConfig
+from engine.constrained import GrammarBackend
 from engine.controller import SparseController
 from engine.lifecycle import MethodSpec, ModelShape, SeqInfo
 from engine.distributed.layers import TensorParallelLlama
@@ -113,6 +115,10 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.loop = StepLoop(config, self.scheduler, self.runner, self.chains, self.tokenizer, self.eos_token_ids,
                              self.max_model_len)
+        self._grammars: GrammarBackend | None = None
+        self._grammars_lock = threading.Lock()
+        self.requests.matchers = lambda params: self.grammars.matcher(params.constraint, params.stop_token_ids)
+        self.loop.grammar_masks = lambda logits, matchers: self.grammars.apply_masks(logits, matchers)
         self._seqs: dict[Hashable, Sequence] = self.loop.seqs
         self._ids = itertools.count()
 
@@ -153,6 +159,20 @@ class LLMEngine:
         """A validated Sequence (not yet queued)."""
         return self.requests.new_sequence(seq_id, token_ids, params, spec)
 
+    @property
+    def grammars(self) -> GrammarBackend:
+        """Structured output's grammar compiler (built on first use; thread-safe): servers call
+        ``engine.grammars.compile(constraint)`` on a worker thread so the turn finds it compiled."""
+        if self._grammars is None:
+            with self._grammars_lock:
+                if self._grammars is None:
+                    if self.tokenizer is None:
+                        raise RequestError(f"{self.model_dir} has no tokenizer; structured output needs one")
+                    # its own tokenizer: the engine thread detokenizes with the shared one
+                    tok = load_tokenizer(self.model_dir) or self.tokenizer
+                    self._grammars = GrammarBackend(tok, self.model_config.vocab_size, self.eos_token_ids)
+        return self._grammars
+
     def fingerprint(self) -> str:
         """What KV computed here depends on: a snapshot from another fingerprint is recomputed."""
         mc, cfg = self.model_config, self.config
@@ -162,7 +182,7 @@ class LLMEngine:
     def add_turn(self, session_id: Hashable, tokens: list[int], params: SamplingParams | None = None, *,
                  role: str = "user", spans: list[tuple[int, int, str]] | None = None, method: MethodSpec | None = None,
                  expected_turn_index: int | None = None, history: list[int] | None = None,
-                 shared_prefix: int = 0) -> Hashable:
+                 shared_prefix: int = 0, prefix_scope: str = "") -> Hashable:
         """Run one turn of a session: ``tokens`` are appended to its history and only they are
         prefilled, attending to the session's cached (possibly compressed) KV. Creates the session
         on its first turn. ``history`` instead of ``tokens`` gives the whole history, which must
@@ -174,7 +194,7 @@ class LLMEngine:
         try:
             seq = self.chains.start_turn(session_id, list(tokens), params, role=role, spans=spans, method=method,
                                          expected_turn_index=expected_turn_index, history=history,
-                                         shared_prefix=shared_prefix)
+                                         shared_prefix=shared_prefix, prefix_scope=prefix_scope)
         except CapacityError:
             raise
         except RequestError as e:

@@ -6,7 +6,10 @@ model, dtype, page size and method settings) to a *holder*: a read-only cache en
 those pages. A new session whose first tokens match forks the holder's pages copy-on-write
 (``CacheManager.fork(..., num_pages=k)``), so the prefix is stored once; its tokens are protected
 from eviction in every session that shares them. The first session with a new prefix prefills it
-and leaves a holder behind (no extra prefill).
+and leaves a holder behind (no extra prefill). Sharing is partitioned by a *scope* (the sidecar
+passes the tenant) salted into the hashes: a session only ever reuses a prefix of its own scope,
+so how much it reuses (and how fast its first token comes) says nothing about other tenants'
+prompts. The empty scope is the shared one (a prompt a caller published to every tenant).
 
 **Prefix-Cache Pruning.** ``prune_span`` shrinks the physical KV of a span of the history (old
 tool output, say) in every layer: ``drop`` removes it, ``keep_ratio`` keeps the span tokens that
@@ -37,6 +40,11 @@ def block_hashes(tokens: list[int], page_size: int, salt: bytes) -> list[bytes]:
     return out
 
 
+def scope_salt(salt: bytes, scope: str) -> bytes:
+    """The hash salt of one sharing scope (a tenant; "" for prefixes published to every caller)."""
+    return salt if not scope else salt + b"\0scope\0" + scope.encode("utf-8", "surrogatepass")
+
+
 @dataclass
 class PrefixHolder:
     holder_id: tuple
@@ -53,9 +61,10 @@ class PrefixIndex:
         self._holders: dict[tuple, PrefixHolder] = {}
         self._clock = 0
 
-    def match(self, tokens: list[int]) -> tuple[PrefixHolder | None, int, list[bytes]]:
-        """The holder sharing the most leading full pages with ``tokens``: (holder, pages, hashes)."""
-        hashes = block_hashes(tokens, self.manager.page_size, self.salt)
+    def match(self, tokens: list[int], scope: str = "") -> tuple[PrefixHolder | None, int, list[bytes]]:
+        """The holder sharing the most leading full pages with ``tokens`` within ``scope``:
+        (holder, pages, hashes). Prefixes of different scopes never match each other."""
+        hashes = block_hashes(tokens, self.manager.page_size, scope_salt(self.salt, scope))
         best, n = None, 0
         for i, h in enumerate(hashes):
             hit = self._by_hash.get(h)

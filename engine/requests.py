@@ -41,21 +41,33 @@ class RequestFactory:
         self.controller = controller
         self.tokenizer = tokenizer
         self._arrivals = itertools.count()
+        self.matchers = None
+        """Structured output: ``SamplingParams -> Matcher`` (set by the engine; engine/constrained.py)."""
 
     def new_sequence(self, seq_id: Hashable, token_ids: list[int], params: SamplingParams, spec: MethodSpec) -> Sequence:
         """A validated Sequence (not yet queued)."""
         self.check_tokens(token_ids, 0, params, spec)
-        return Sequence(seq_id, token_ids, params, spec, self.tokenizer, self.generator(params))
+        matcher = self.matcher(params)
+        seq = Sequence(seq_id, token_ids, params, spec, self.tokenizer, self.generator(params))
+        seq.matcher = matcher
+        return seq
 
     def restart_sequence(self, seq: Sequence, new_tokens: list[int], params: SamplingParams) -> None:
         """Start a session's next turn on its (persistent) Sequence."""
         self.check_tokens(new_tokens, seq.num_tokens, params, seq.spec)
+        seq.matcher = self.matcher(params)
         seq.turn_start = seq.num_tokens
         seq.token_ids.extend(new_tokens)
         seq.prompt_len = seq.num_tokens
         seq.params = params
         seq.generator = self.generator(params)
         seq.reset_turn(self.tokenizer)
+
+    def matcher(self, params: SamplingParams):
+        """The turn's grammar matcher (structured output), or None (raises ConstraintError)."""
+        if params.constraint is None or self.matchers is None:
+            return None
+        return self.matchers(params)
 
     def check_tokens(self, token_ids: list[int], before: int, params: SamplingParams, spec: MethodSpec) -> None:
         """``token_ids`` appended to ``before`` cached tokens: valid ids, within the length limit, a

@@ -1,26 +1,47 @@
-"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, per-request seeds.
+"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, per-request seeds, and the
+grammar masks of structured output (engine/constrained.py) applied to the logits before any of them.
 
 Each sampling request owns a ``torch.Generator`` seeded from its ``seed`` (or the engine's seed
 and the request's arrival order), so its tokens do not depend on which other requests share
 the batch.
+
+Every field is checked when the params are made (``SamplingError``): finite numbers in range,
+bounded stop strings. A temperature below ``GREEDY_BELOW`` (1e-40, say) is greedy decoding: dividing
+logits by it would overflow. The sampler works row by row and a row that fails (a non-finite
+logits row, a bad distribution) is reported for that row alone (``sample`` returns its error), so one
+request cannot stop the engine for the others.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+
+from engine.constrained import Constraint
 
 
 class SamplingError(ValueError):
     """Sampling parameters out of range."""
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures in [0, GREEDY_BELOW) decode greedily."""
+MAX_TEMPERATURE = 100.0
+MAX_TOP_K = 2**31 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+"""Longest stop string (characters): the detokenizer looks for every stop string after each token."""
+MAX_STOP_TOKEN_IDS = 1024
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 128
     temperature: float = 0.0
-    """0 is greedy."""
+    """0 (or anything below GREEDY_BELOW) is greedy."""
     top_k: int = 0
     """0 keeps every token."""
     top_p: float = 1.0
@@ -33,45 +54,92 @@ class SamplingParams:
     """Keep the logits of every prompt position (teacher-forced scoring, parity tests)."""
     return_logits: bool = False
     """Keep the logits row each generated token was sampled from."""
+    constraint: Constraint | None = None
+    """Structured output: the reply must match this grammar (engine/constrained.py)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise SamplingError(f"max_tokens must be a positive integer, not {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise SamplingError(f"temperature must be >= 0, not {self.temperature}")
-        if self.top_k < 0:
-            raise SamplingError(f"top_k must be >= 0, not {self.top_k}")
-        if not (0 < self.top_p <= 1):
-            raise SamplingError(f"top_p must be in (0, 1], not {self.top_p}")
+        if not _is_real(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise SamplingError(f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}], not {self.temperature!r}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise SamplingError(f"top_k must be an integer in [0, {MAX_TOP_K}], not {self.top_k!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise SamplingError(f"top_p must be a finite number in (0, 1], not {self.top_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            raise SamplingError(f"seed must be a 64-bit integer, not {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if any(not s for s in self.stop):
-            raise SamplingError("stop strings must not be empty")
+        self.stop = list(self.stop)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise SamplingError(f"{len(self.stop)} stop strings; at most {MAX_STOP_STRINGS}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise SamplingError("stop strings must be non-empty strings")
+            if len(s) > MAX_STOP_CHARS:
+                raise SamplingError(f"a stop string is {len(s)} characters long; at most {MAX_STOP_CHARS}")
+        self.stop_token_ids = list(self.stop_token_ids)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise SamplingError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} non-negative integers")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise SamplingError("constraint must be an engine.constrained.Constraint")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits`` ``[M, V]`` (float32)."""
-    out = logits.argmax(-1).tolist()
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+class RowFailed(RuntimeError):
+    """Sampling one row failed; only that row's request is affected."""
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           constrain: Callable[[torch.Tensor], None] | None = None) -> tuple[list[int | None], list[str | None]]:
+    """One token per row of ``logits`` ``[M, V]`` (float32), and per row the error that stopped it
+    (None when it sampled). A failed row's token is None. ``constrain`` first masks, in place, the
+    rows of constrained sequences (their grammars' token bitmasks; ``GrammarBackend.apply_masks``)."""
+    if constrain is not None:
+        constrain(logits)
+    out: list[int | None] = logits.argmax(-1).tolist()
+    errors: list[str | None] = [None] * len(params)
     for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        row = logits[i] / p.temperature
-        if p.top_k and p.top_k < row.shape[-1]:
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            # drop a token when the tokens before it already reach top_p
-            drop = (sorted_p.cumsum(-1) - sorted_p) >= p.top_p
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        gen = generators[i]
-        if gen is not None and gen.device != probs.device:
-            probs = probs.to(gen.device)
-        out[i] = int(torch.multinomial(probs, 1, generator=gen))
-    return out
+        try:
+            if p.greedy:
+                continue
+            out[i] = sample_row(logits[i], p, generators[i])
+        except Exception as e:  # this row's failure is this request's, not the batch's
+            out[i], errors[i] = None, f"sampling failed: {e}"
+    return out, errors
+
+
+def _check_row(row: torch.Tensor) -> None:
+    if not bool(torch.isfinite(row).any()):
+        raise RowFailed("the model produced no finite logit for this sequence")
+
+
+def sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    """One token from one logits row ``[V]`` under ``p`` (not greedy)."""
+    _check_row(row)
+    row = row.float().nan_to_num(nan=float("-inf"), posinf=float("-inf"))
+    row = (row - row.max()) / p.temperature  # <= 0 everywhere, the top token 0: no overflow
+    if p.top_k and p.top_k < row.shape[-1]:
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        # drop a token when the tokens before it already reach top_p
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= p.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    if gen is not None and gen.device != probs.device:
+        probs = probs.to(gen.device)
+    return int(torch.multinomial(probs, 1, generator=gen))

@@ -46,6 +46,8 @@ class Sequence:
         self.params = params
         self.spec = spec
         self.generator = generator
+        self.matcher = None
+        """Structured output: this turn's grammar matcher (engine/constrained.py), or None."""
         self.status = SeqStatus.WAITING
         self.in_decode = False
         """The prompt is in and the last token was sampled: feed it through the decode path."""

@@ -12,6 +12,7 @@ Any other step first completes the step in flight.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Hashable
 
@@ -21,6 +22,8 @@ from engine.runner import InFlight, ModelRunner
 from engine.sampling import sample
 from engine.scheduler import Scheduler
 from engine.sequence import PENDING, RequestOutput, Sequence, SeqStatus
+
+log = logging.getLogger(__name__)
 
 
 class StepLoop:
@@ -39,8 +42,10 @@ class StepLoop:
         """Live requests by id (a session's Sequence while its turn runs)."""
         self.inflight: InFlight | None = None
         """A launched decode step whose tokens are not read yet."""
+        self.grammar_masks = None
+        """Structured output: ``(logits, matchers) -> None`` masking the constrained rows (set by the engine)."""
         self.totals = {"decoded_tokens": 0, "finished_stop": 0, "finished_length": 0, "finished_abort": 0,
-                       "finished_error": 0}
+                       "finished_error": 0, "finished_failed": 0}
         """Engine-wide counters since start."""
 
     def has_unfinished(self) -> bool:
@@ -82,13 +87,27 @@ class StepLoop:
                     self.runner.scoring_pass(seq, self.tokenizer, self.config.prefill_chunk_size)
             for sid, rows in result.prompt_logits.items():
                 self.seqs[sid].prompt_logits.append(rows.cpu())
-            tokens = sample(result.logits, [s.params for s in result.sampling], [s.generator for s in result.sampling])
+            matchers = [s.matcher for s in result.sampling]
+            constrain = None
+            if self.grammar_masks is not None and any(m is not None for m in matchers):
+                constrain = lambda logits: self.grammar_masks(logits, matchers)  # noqa: E731
+            tokens, errors = sample(result.logits, [s.params for s in result.sampling],
+                                    [s.generator for s in result.sampling], constrain)
             now = time.monotonic()
-            for seq, tok, row in zip(result.sampling, tokens, result.logits):
-                if seq.params.return_logits:
-                    seq.step_logits.append(row.cpu())
-                self._append_token(seq, tok, now)
+            for seq, tok, err, row in zip(result.sampling, tokens, errors, result.logits):
                 touched.append(seq)
+                if err is None:
+                    try:
+                        if seq.params.return_logits:
+                            seq.step_logits.append(row.cpu())
+                        self._append_token(seq, tok, now)
+                        continue
+                    except Exception as e:  # detokenizing or stop checks of this sequence
+                        err = f"processing the sampled token failed: {e!r}"
+                if not seq.finished:  # this request alone fails; the engine steps on for the others
+                    log.error("request %r failed: %s", seq.seq_id, err)
+                    seq.error = err
+                    self.finish(seq, "failed")
         return [self.output(s) for s in touched]
 
     def _overlap_ok(self) -> bool:
@@ -99,7 +118,7 @@ class StepLoop:
         if s.waiting or not s.running:
             return False
         chains = self.chains.chains
-        return all(q.in_decode and q.params.greedy and not q.params.return_logits
+        return all(q.in_decode and q.params.greedy and not q.params.return_logits and q.matcher is None
                    and not (q.seq_id in chains and chains[q.seq_id].queries is not None) for q in s.running)
 
     def _complete(self, inflight: InFlight) -> list[Sequence]:
@@ -128,9 +147,13 @@ class StepLoop:
         self.totals["decoded_tokens"] += 1
         p = seq.params
         is_stop = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        grammar_done = False
+        if seq.matcher is not None:
+            seq.matcher.advance(token)
+            grammar_done = seq.matcher.done  # the structure is complete: nothing may follow it
         if not is_stop:
             seq.pending_text += seq.detok.push(token)
-        if is_stop or seq.detok.stopped_on is not None:
+        if is_stop or grammar_done or seq.detok.stopped_on is not None:
             self.finish(seq, "stop")
         elif len(seq.output_ids) >= p.max_tokens or len(seq.output_ids) + seq.prompt_len >= self.max_model_len:
             self.finish(seq, "length")
@@ -147,7 +170,7 @@ class StepLoop:
         self.totals[f"finished_{reason}"] += 1
         self.scheduler.remove(seq)
         if seq.seq_id in self.chains.chains:  # a session keeps its chain
-            if reason == "abort":
+            if reason in ("abort", "failed"):  # failed: this request alone broke; the turn is rolled back
                 self.chains.abort_turn(seq)
             elif reason == "error":
                 self.chains.fail_turn(seq)

@@ -28,11 +28,14 @@ model is asked to answer with ``<tool_call>{"name": ..., "arguments": {...}}</to
 from __future__ import annotations
 
 import bisect
+import copy
 import hashlib
 import json
 import threading
 from dataclasses import dataclass, field
 from typing import Any
+
+from sidecar.validation import loads_bounded as _loads_bounded
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -83,9 +86,11 @@ def tool_from_json(name: str, description: str, parameters_json: str) -> ToolSpe
     if not name:
         raise ChatError("a tool needs a name")
     try:
-        params = json.loads(parameters_json) if parameters_json else {}
+        params = _loads_bounded(parameters_json) if parameters_json else {}
     except json.JSONDecodeError as e:
         raise ChatError(f"tool {name!r}: parameters_json is not JSON ({e.msg})") from None
+    except ValueError as e:  # JsonTooDeep
+        raise ChatError(f"tool {name!r}: parameters_json: {e}") from None
     if not isinstance(params, dict):
         raise ChatError(f"tool {name!r}: parameters_json must be a JSON object (a JSON Schema)")
     return ToolSpec(name, description, params)
@@ -103,7 +108,8 @@ class ChatRenderer:
             raise ChatError("the model has no chat template; the sidecar needs one")
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
-        self._lock = threading.Lock()  # the tokenizer is shared by the threads that render turns
+        self._local = threading.local()  # each rendering thread has its own copy of the tokenizer:
+        self._copy_lock = threading.Lock()  # one session's long render never waits on another's
         self._probe_text = self._render(_PROBE, None, False)
         at = self._probe_text.rfind(_A)
         if at < 0:
@@ -123,17 +129,23 @@ class ChatRenderer:
         tool = ToolSpec("chainkv_probe_tool", "probe").openai()
         self.template_takes_tools = self._render(probe_user, [tool], True) != self._render(probe_user, None, True)
 
+    def _tok(self) -> Any:
+        """This thread's copy of the tokenizer (HF fast tokenizers are not safe to share across threads)."""
+        tok = getattr(self._local, "tokenizer", None)
+        if tok is None:
+            with self._copy_lock:
+                tok = self._local.tokenizer = copy.deepcopy(self.tokenizer)
+        return tok
+
     # --- public ---------------------------------------------------------------------------------
     def first_turn(self, messages: list[dict], tools: list[ToolSpec] | None = None,
                    shared_prefix_messages: int | None = None) -> RenderedTurn:
         """A new session's first turn: the messages (and tools) rendered as a whole conversation."""
-        with self._lock:
-            return self._first_turn(messages, tools, shared_prefix_messages)
+        return self._first_turn(messages, tools, shared_prefix_messages)
 
     def continuation(self, messages: list[dict], history_ends_with_eot: bool) -> RenderedTurn:
         """The next turn of a session whose history ends with a generated reply."""
-        with self._lock:
-            return self._continuation(messages, history_ends_with_eot)
+        return self._continuation(messages, history_ends_with_eot)
 
     def _first_turn(self, messages, tools, shared_prefix_messages) -> RenderedTurn:
         messages = self._check(messages)
@@ -171,13 +183,13 @@ class ChatRenderer:
         return [len(p) for p in pieces[1 if first is not None else 0:]]
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self._tok().encode(text, add_special_tokens=False))
 
     # --- internals --------------------------------------------------------------------------------
     def _render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
         kwargs = {"tools": tools} if tools else {}
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+            return self._tok().apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
                                                       **kwargs)
         except Exception as e:  # jinja raises its own errors (e.g. a template that demands alternation)
             raise ChatError(f"the chat template rejected the messages: {e}") from None
@@ -217,7 +229,7 @@ class ChatRenderer:
         return [{"role": "system", "content": block}] + messages, True
 
     def _tokens(self, text: str, cuts: list[int], messages: list[dict], n_shared: int) -> RenderedTurn:
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        enc = self._tok()(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
 
         starts = [a for a, _ in offsets]

@@ -65,9 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tls-client-ca", default=None, metavar="PEM", help="require client certificates signed by this CA")
     g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
     g.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one object per line")
+    g.add_argument("--http-port", type=int, default=None, metavar="PORT",
+                   help="also serve the OpenAI-compatible HTTP API on this port (0 picks one); unset: no HTTP")
+    g.add_argument("--http-host", default=None, help="address of the HTTP port (default: --host)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name HTTP clients send (default: the model folder's name)")
     g.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics on this port (0 picks one); unset: no metrics")
-    g.add_argument("--metrics-host", default="0.0.0.0", help="address of the metrics port")
+    g.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the metrics port (like --host: 0.0.0.0 for every interface)")
+    g.add_argument("--durability", default="async", choices=["async", "sync"],
+                   help="async: a turn's completion is sent at once and its snapshot written behind it; sync: "
+                        "only after its snapshot commits (no acknowledged turn is lost if this replica dies)")
     g.add_argument("--snapshot-hmac-key-file", default=None, metavar="FILE",
                    help="sign stored sessions with HMAC-SHA256 and refuse any that fail it (one key per line; "
                         "the first signs, all verify)")
@@ -120,10 +129,12 @@ def _serve_setup(args: argparse.Namespace):
         options = ServerOptions(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
                                 limits=Limits(default_max_tokens=args.default_max_tokens), snapshot_kv=args.snapshot_kv,
                                 session_idle_s=args.session_idle_s, grace_s=args.grace_s, auth=auth,
+                                durability=args.durability,
                                 tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                                 tenant_limits=TenantLimits(args.max_sessions_per_tenant, args.max_tokens_per_turn,
                                                            TenantLimits.parse_overrides(args.tenant_limit)))
         store = open_store(args.store, ttl_s=args.store_ttl, hmac_keys=load_keys(args.snapshot_hmac_key_file))
+        check_port_free(args.host, args.port)
     except (ValueError, OSError, StoreError) as e:
         print(f"chainkv: {e}", file=sys.stderr)
         return 2
@@ -174,15 +185,51 @@ def serve_engine(engine, args: argparse.Namespace, setup=None) -> None:
               f"method {config.method}, device {engine.device}{tp}, store {store.describe() if store else 'none'}, "
               f"auth {'on' if auth.enabled else 'off'}, snapshot hmac {'on' if store and store.hmac_keys else 'off'})",
               flush=True)
+        http = None
+        if args.http_port is not None:
+            from sidecar.http.app import HttpFront, HttpOptions
+
+            http = HttpFront(server, HttpOptions(host=args.http_host or args.host, port=args.http_port,
+                                                 served_model_name=args.served_model_name))
+            http_port = await http.start()
+            print(f"chainkv: serving the OpenAI-compatible HTTP API on http://{args.http_host or args.host}:{http_port}/v1 "
+                  f"(model {http.app.state.backend.model_name})", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-        print("chainkv: shutting down: draining turns, writing snapshots", flush=True)
+        turns = server.sessions.active_turns
+        pending = server.writer.pending if server.writer is not None else 0
+        writes = server.writer.writes if server.writer is not None else 0
+        print(f"chainkv: shutting down: draining {turns} running turn(s), writing {pending} pending snapshot(s)",
+              flush=True)
+        if http is not None:
+            server.draining = True  # new HTTP requests get 503 while running turns finish
         await server.stop()
+        if http is not None:
+            await http.stop()
+        written = (server.writer.writes - writes) if server.writer is not None else 0
+        left = sum(s.snapshot_pending for s in server.sessions.all()) if server.store is not None else 0
+        print(f"chainkv: drained {turns - server.sessions.active_turns} turn(s); wrote {written} snapshot(s)"
+              + (f"; {left} snapshot(s) NOT written" if left else ""), flush=True)
 
     asyncio.run(main())
+    print("chainkv: stopped", flush=True)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise OSError when ``host:port`` cannot be bound (checked before the model is loaded)."""
+    import socket
+
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -196,6 +243,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.sampling import SamplingError, SamplingParams
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        print("chainkv: the prompt is empty", file=sys.stderr)
+        return 2
     try:
         config = engine_config_from_args(args)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -223,7 +273,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(out.new_text, end="", flush=True)
             if out.finished:
                 final = out
-    if final.finish_reason == "error":
+    if final.finish_reason in ("error", "failed"):
         print(f"chainkv: {final.error}", file=sys.stderr)
         return 1
     if args.json:

@@ -60,6 +60,9 @@ class EngineTurn:
     shared_prefix: int = 0
     """How many leading tokens of a first turn are a prompt other sessions share."""
     new_session: bool = False
+    prefix_scope: str = ""
+    """Who may share this session's prompt prefix: its tenant by default ("tenant:<name>"); "" for a
+    prefix the request declared public."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,11 @@ class EngineClient:
         if self._thread.failed is not None:
             raise EngineFailed(f"the engine stopped: {self._thread.failed!r}")
 
+    def compile_grammar(self, constraint) -> None:
+        """Compile a structured-output constraint (thread-safe and cached; call it from a worker
+        thread before the turn, so the engine thread finds it compiled)."""
+        self._engine.grammars.compile(constraint)
+
     # --- turns ----------------------------------------------------------------------------------------
     async def start_turn(self, key: str, turn: EngineTurn) -> TurnStream:
         """Queue ``turn`` on session ``key`` (created by its first turn); its outputs stream."""
@@ -220,7 +228,7 @@ class EngineClient:
             stream.prunes_before = len(eng.session_info(key)["prune_log"])
         eng.add_turn(key, turn.token_ids, turn.params, spans=turn.spans, method=turn.method,
                      expected_turn_index=turn.expected_turn_index,
-                     shared_prefix=turn.shared_prefix if turn.new_session else 0)
+                     shared_prefix=turn.shared_prefix if turn.new_session else 0, prefix_scope=turn.prefix_scope)
         self._thread.register(key, functools.partial(self._deliver, stream))
 
     def _deliver(self, stream: TurnStream, out: RequestOutput | BaseException) -> None:

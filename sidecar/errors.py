@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import grpc
 
+from engine.constrained import ConstraintError
 from engine.chain import ContextFull, SessionBusy, SessionError, SessionExists, SessionNotFound
 from engine.config import ConfigError
 from engine.lifecycle import MethodError
 from engine.llm import CapacityError, RequestError
 from engine.prune_rule import PruneRuleError
 from engine.sampling import SamplingError
+from sidecar.structured import OutputSpecError
 from sidecar.auth import Unauthenticated
 from sidecar.chat import ChatError
 from sidecar.engine_client import EngineFailed
@@ -23,11 +25,15 @@ from sidecar.integrity import SnapshotRejected
 from sidecar.limits import QuotaExceeded, TurnTooLarge
 from sidecar.protocol import InvalidRequest
 from sidecar.sessions import BadSessionId
-from sidecar.store import StoreUnavailable
+from sidecar.store import SnapshotRolledBack, StoreUnavailable
 
 
 class Draining(RuntimeError):
     """The server is shutting down (UNAVAILABLE: retry on another replica)."""
+
+
+class SequenceFailed(RuntimeError):
+    """The engine failed this turn alone (its sampling or token processing raised); INTERNAL."""
 
 
 class TurnAborted(RuntimeError):
@@ -37,9 +43,9 @@ class TurnAborted(RuntimeError):
 _CODES: list[tuple[type[BaseException] | tuple[type[BaseException], ...], grpc.StatusCode]] = [
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (QuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (SnapshotRejected, grpc.StatusCode.DATA_LOSS),
+    ((SnapshotRejected, SnapshotRolledBack), grpc.StatusCode.DATA_LOSS),
     ((InvalidRequest, TurnTooLarge, BadSessionId, ChatError, MethodError, SamplingError, ConfigError, ContextFull,
-      PruneRuleError), grpc.StatusCode.INVALID_ARGUMENT),
+      PruneRuleError, OutputSpecError, ConstraintError), grpc.StatusCode.INVALID_ARGUMENT),
     (SessionNotFound, grpc.StatusCode.NOT_FOUND),
     (SessionExists, grpc.StatusCode.ALREADY_EXISTS),
     ((SessionBusy, TurnAborted), grpc.StatusCode.ABORTED),

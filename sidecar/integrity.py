@@ -28,15 +28,12 @@ from pathlib import Path
 
 import msgpack
 
-from sidecar.store import Checksum, StoreError
+from sidecar.store import Checksum
+from sidecar.store_errors import SnapshotRejected, StoreError
 
 ENV_KEY_FILE = "CHAINKV_SNAPSHOT_HMAC_KEY_FILE"
 MIN_KEY_BYTES = 16
 MAC_FIELD = "mac"
-
-
-class SnapshotRejected(StoreError):
-    """A stored session failed authentication: tampered with, unsigned, or signed by an unknown key."""
 
 
 class SnapshotKeys:

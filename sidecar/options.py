@@ -38,6 +38,9 @@ class ServerOptions:
     auth: Authenticator = field(default_factory=Authenticator)
     tenant_limits: TenantLimits = field(default_factory=TenantLimits)
     """Per-tenant quotas: live sessions, tokens per turn (sidecar/limits.py)."""
+    durability: str = "async"
+    """async: a turn's completion is sent at once, its snapshot written behind it; sync: only after
+    its snapshot commits (a turn a client saw survives a crash of this replica)."""
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None

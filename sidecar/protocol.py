@@ -20,6 +20,9 @@ from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.chat import ROLES, ChatError, ToolSpec, tool_from_json
 from sidecar.engine_results import PruneRecord, SessionInfo
 from sidecar.sessions import BadSessionId, Session, check_id
+from sidecar.limits import TurnTooLarge
+from sidecar.validation import JsonTooDeep, check_turn_bytes, loads_bounded
+from sidecar.structured import OutputSpec, OutputSpecError
 
 TIERS = {"new": pb.TIER_NEW, "gpu": pb.TIER_GPU, "host": pb.TIER_HOST, "store": pb.TIER_STORE,
          "recompute": pb.TIER_RECOMPUTE}
@@ -39,6 +42,9 @@ class Limits:
     """Most messages in one Turn."""
     max_tools: int = 128
     max_stop: int = 16
+    max_turn_bytes: int | None = None
+    """Most UTF-8 bytes of a turn's messages and tools, refused before tokenizing (None: the server
+    sets BYTES_PER_TOKEN bytes per token of the model's context)."""
     default_max_tokens: int = 256
     """max_tokens when a Turn does not set it."""
 
@@ -53,6 +59,10 @@ class TurnArgs:
     params: SamplingParams
     method: MethodSpec | None
     shared_prefix_messages: int | None = None
+    public_prefix: bool = False
+    """The shared prefix may be shared with other tenants' sessions (default: this tenant's only)."""
+    output: OutputSpec = field(default_factory=OutputSpec)
+    """response_format and tool_choice (sidecar/structured.py)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -69,6 +79,11 @@ def parse_turn(req: pb.TurnRequest, limits: Limits) -> TurnArgs:
         raise InvalidRequest(f"{len(req.messages)} messages in one turn; at most {limits.max_messages}")
     if len(req.tools) > limits.max_tools or len(req.stop) > limits.max_stop:
         raise InvalidRequest(f"at most {limits.max_tools} tools and {limits.max_stop} stop strings")
+    if limits.max_turn_bytes is not None:
+        try:
+            check_turn_bytes(req, limits.max_turn_bytes)
+        except TurnTooLarge as e:
+            raise InvalidRequest(str(e)) from None
     messages = [message_dict(m) for m in req.messages]
     try:
         tools = [tool_from_json(t.name, t.description, t.parameters_json) for t in req.tools]
@@ -91,7 +106,17 @@ def parse_turn(req: pb.TurnRequest, limits: Limits) -> TurnArgs:
         raise InvalidRequest("expected_turn_index must be >= 0")
     return TurnArgs(session_id=req.session_id, request_id=req.request_id, messages=messages, tools=tools,
                     expected_turn_index=expected, params=params, method=method_spec(req),
-                    shared_prefix_messages=req.shared_prefix_messages if req.HasField("shared_prefix_messages") else None)
+                    shared_prefix_messages=req.shared_prefix_messages if req.HasField("shared_prefix_messages") else None,
+                    public_prefix=req.public_prefix, output=output_spec(req))
+
+
+def output_spec(req: pb.TurnRequest) -> OutputSpec:
+    rf, tc = req.response_format, req.tool_choice
+    try:
+        return OutputSpec(format=rf.type, json_schema=rf.json_schema, regex=rf.regex, grammar=rf.grammar,
+                          tool_choice=tc.mode, function_name=tc.function_name)
+    except OutputSpecError as e:
+        raise InvalidRequest(str(e)) from None
 
 
 def message_dict(m: pb.Message) -> dict[str, Any]:
@@ -106,9 +131,11 @@ def message_dict(m: pb.Message) -> dict[str, Any]:
         calls = []
         for c in m.tool_calls:
             try:
-                args = json.loads(c.arguments_json) if c.arguments_json else {}
+                args = loads_bounded(c.arguments_json) if c.arguments_json else {}
             except json.JSONDecodeError as e:
                 raise InvalidRequest(f"tool call {c.name!r}: arguments_json is not JSON ({e.msg})") from None
+            except JsonTooDeep as e:
+                raise InvalidRequest(f"tool call {c.name!r}: arguments_json: {e}") from None
             if not c.name or not isinstance(args, dict):
                 raise InvalidRequest("a tool call needs a name and a JSON object of arguments")
             calls.append({"id": c.id, "name": c.name, "arguments": args})

@@ -15,7 +15,7 @@ import argparse
 import dataclasses
 import os
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, load_yaml
 
 ENV_PREFIX = "CHAINKV_"
 # serve flags that are not server settings
@@ -59,10 +59,7 @@ def apply_settings(args: argparse.Namespace, parser: argparse.ArgumentParser, en
     actions = _serve_actions(parser)
     yaml_values: dict = {}
     if getattr(args, "config", None):
-        import yaml
-
-        with open(args.config) as f:
-            loaded = yaml.safe_load(f) or {}
+        loaded = load_yaml(args.config)
         if not isinstance(loaded, dict):
             raise ConfigError(f"{args.config}: expected a mapping at the top level")
         yaml_values = {k: loaded.pop(k) for k in list(loaded) if k in actions}

@@ -205,7 +205,7 @@ class SidecarService:
             info = await self.client.fork(key, child_key)
         finally:
             self.sessions.end_turn(parent, running, None)
-        child = self.sessions.adopt(child_key, tools_digest=parent.tools_digest, info=info)
+        child = self.sessions.adopt(child_key, tools_digest=parent.tools_digest, info=info, tools=parent.tools)
         self.mark_dirty(child_key)
         return session_proto(request.new_session_id, info, child, has_store=self.store is not None)
 

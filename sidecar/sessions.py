@@ -1,7 +1,7 @@
 """SessionManager: session id -> the engine's chain, per-session ordering, idempotency, the store.
 
-Session keys. A client's session id (1-128 characters of ``[A-Za-z0-9._:@+=~-]``: no braces, so it
-cannot break the Redis hash tag, and no ``/``) is scoped by its tenant: the engine and the store
+Session keys. A client's session id (1-128 characters of ``[A-Za-z0-9._:@+=~-]``, not only dots: no
+braces, so it cannot break the Redis hash tag, and no ``/``) is scoped by its tenant: the engine and the store
 see ``<tenant>/<session id>``, or the bare id when auth is off. Tenants never see each other's
 sessions.
 
@@ -30,14 +30,14 @@ import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from engine.chain import SessionBusy, SessionError, SessionNotFound, TurnIndexMismatch
 from engine.lifecycle import MethodError
 from sidecar.engine_client import EngineClient
 from sidecar.engine_results import SessionInfo
 from sidecar.snapshot_codec import join_snapshot
-from sidecar.store import SessionStore, StoreUnavailable
+from sidecar.store import SessionStore, StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ def check_id(value: str, what: str = "session_id") -> str:
         raise BadSessionId(f"{what} is {len(value)} characters long; at most {MAX_ID_LEN}")
     if not SESSION_ID_RE.fullmatch(value):
         raise BadSessionId(f"{what} {value!r} has characters outside [A-Za-z0-9._:@+=~-]")
+    if not value.strip("."):
+        raise BadSessionId(f"{what} {value!r} is only dots (it would name a folder such as . or ..)")
     return value
 
 
@@ -79,6 +81,8 @@ class Running:
     settling: bool = False
     """Its caller is gone (cancelled, deadline) and the turn is being rolled back: the session is
     about to be released, so a request for it waits (``get_settled``) instead of being refused."""
+    digest: str = ""
+    """The request's content digest (sidecar.validation.request_digest)."""
 
 
 @dataclass
@@ -96,9 +100,16 @@ class Session:
     source_tier: str | None = None
     """Where this replica got the session: new, store or recompute."""
     tools_digest: str = ""
+    tools: list = field(default_factory=list)
+    """The tools of its first turn (``ToolSpec.openai`` dicts): what a forced tool call may call."""
+    front: dict = field(default_factory=dict)
+    """State a front end keeps with the session (the HTTP front: its transcript digest and response
+    records); msgpack-able, it travels with the snapshot."""
     ends_with_eot: bool = False
     """The history ends with the end-of-turn token (the last reply closed its turn)."""
     records: "OrderedDict[str, bytes]" = field(default_factory=OrderedDict)
+    request_digests: dict[str, str] = field(default_factory=dict)
+    """request_id -> the digest of the request it named (a reuse for other content is refused)."""
     running: Running | None = None
     created_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
@@ -117,13 +128,19 @@ class Session:
 
     def app_meta(self) -> dict[str, Any]:
         """What the sidecar keeps about the session beside the engine's record."""
-        return {"tools_digest": self.tools_digest, "created_at": self.created_at,
-                "requests": [[rid, blob] for rid, blob in self.records.items()]}
+        return {"tools_digest": self.tools_digest, "tools": self.tools, "front": self.front,
+                "created_at": self.created_at,
+                "requests": [[rid, blob] for rid, blob in self.records.items()],
+                "request_digests": {rid: self.request_digests[rid] for rid in self.records if rid in self.request_digests}}
 
     def load_app_meta(self, app: dict[str, Any]) -> None:
         self.tools_digest = app.get("tools_digest", "")
+        self.tools = list(app.get("tools") or [])
+        self.front = dict(app.get("front") or {})
         self.created_at = app.get("created_at", self.created_at)
         self.records = OrderedDict((rid, bytes(blob)) for rid, blob in app.get("requests", []))
+        digests = app.get("request_digests") or {}
+        self.request_digests = {str(k): str(v) for k, v in digests.items()} if isinstance(digests, dict) else {}
 
     def update(self, info: SessionInfo, end_of_turn_id: int | None) -> None:
         """Refresh from the engine's view of the session."""
@@ -146,6 +163,9 @@ class SessionManager:
         self._sessions: dict[str, Session] = {}
         self._load_locks: "weakref.WeakValueDictionary[str, asyncio.Lock]" = weakref.WeakValueDictionary()
         self.loads = {"store": 0, "recompute": 0}
+        self.on_store_behind: Callable[[str], None] | None = None
+        """Called with a session's key when the store turns out to hold less than this replica
+        committed for it (the snapshot writer rewrites it)."""
 
     # --- lookup -----------------------------------------------------------------------------------
     def local(self, key: str) -> Session | None:
@@ -159,10 +179,11 @@ class SessionManager:
         return sum(1 for s in self._sessions.values() if s.busy)
 
     async def get(self, key: str, *, create: bool, expected_turn_index: int | None = None,
-                  deadline: float | None = None) -> Session:
+                  deadline: float | None = None, request_id: str = "") -> Session:
         """The session, from this replica or the store; a fresh (not yet started) one when it
         exists nowhere and ``create``. Raises SessionNotFound, StoreUnavailable (StoreBehind),
-        TurnIndexMismatch."""
+        TurnIndexMismatch. ``request_id``: a retry whose turn the store already recorded is served
+        from the store even though its ``expected_turn_index`` is behind (the reply is replayed)."""
         s = self._sessions.get(key)
         if s is not None and self._usable(s, expected_turn_index):
             return s
@@ -175,10 +196,10 @@ class SessionManager:
                 return s
             if self.store is None:
                 return self._new_or_missing(key, create)
-            stored = await self._fetch(key, expected_turn_index, deadline, local=s)
+            stored = await self._fetch(key, expected_turn_index, deadline, local=s, request_id=request_id)
+            if s is not None and s.in_engine and not s.stale and self._store_behind(s, stored):
+                return s  # this replica holds more than the store: keep it (the store is rewritten)
             if stored is None:
-                if s is not None and s.in_engine and not s.stale:
-                    return s  # the store has no copy yet (its first snapshot is on its way)
                 if s is not None:
                     await self._drop_local(s)
                 return self._new_or_missing(key, create)
@@ -191,7 +212,7 @@ class SessionManager:
             return await self._load(key)
 
     async def get_settled(self, key: str, *, create: bool, expected_turn_index: int | None = None,
-                          deadline: float | None = None) -> Session:
+                          deadline: float | None = None, request_id: str = "") -> Session:
         """``get``, once a turn whose caller went away has been rolled back and the session released
         (a client that cancels a turn and sends the next at once is not refused as busy). Waits at
         most ``settle_wait_s`` (or to ``deadline``); a session still held after that is returned
@@ -200,7 +221,8 @@ class SessionManager:
         if deadline is not None:
             until = min(until, deadline)
         while True:
-            s = await self.get(key, create=create, expected_turn_index=expected_turn_index, deadline=deadline)
+            s = await self.get(key, create=create, expected_turn_index=expected_turn_index, deadline=deadline,
+                               request_id=request_id)
             running = s.running
             left = until - time.monotonic()
             if running is None or not running.settling or left <= 0:
@@ -210,6 +232,22 @@ class SessionManager:
             except asyncio.TimeoutError:
                 return s
             # the session may have been dropped (a first turn that never ran): look it up again
+
+    def _store_behind(self, s: Session, stored) -> bool:
+        """The store holds less than this replica committed for ``s`` (it lost or rolled back data):
+        note it, so the writer rewrites the store from this copy. True also when nothing was committed
+        yet (the first snapshot is on its way)."""
+        have = stored.generation if stored is not None else None
+        if s.committed_generation is None:
+            return stored is None
+        if have is not None and have >= s.committed_generation:
+            return False
+        log.warning("session %s: the store holds generation %s, this replica committed %s; rewriting it",
+                    s.key, have, s.committed_generation)
+        s.committed_generation = have
+        if self.on_store_behind is not None:
+            self.on_store_behind(s.key)
+        return True
 
     def _usable(self, s: Session, expected: int | None) -> bool:
         if s.busy:
@@ -228,7 +266,8 @@ class SessionManager:
         self._sessions[key] = s
         return s
 
-    async def _fetch(self, key: str, expected: int | None, deadline: float | None, local: Session | None):
+    async def _fetch(self, key: str, expected: int | None, deadline: float | None, local: Session | None,
+                     request_id: str = ""):
         """The committed record (no KV yet), waiting for ``expected`` while the store is behind."""
         wait_until = time.monotonic() + self.resume_wait_s
         if deadline is not None:
@@ -239,6 +278,8 @@ class SessionManager:
             if expected is None or expected == 0 and stored is None:
                 return stored
             have = stored.turn_index if stored is not None else None
+            if have is not None and have > expected and request_id and recorded_in(stored.app, request_id):
+                return stored  # a retry of a turn the store recorded: its reply is replayed
             if have is not None and have > expected:
                 raise TurnIndexMismatch(f"session {key.split('/')[-1]!r} is at turn {have}, not {expected}")
             if have == expected:
@@ -282,27 +323,36 @@ class SessionManager:
         if s.in_engine:
             await self.engine.end_session(s.key)
 
-    def adopt(self, key: str, *, tools_digest: str, info: SessionInfo) -> Session:
+    def adopt(self, key: str, *, tools_digest: str, info: SessionInfo, tools: list | None = None) -> Session:
         """Register a session the engine just made (a fork)."""
-        s = Session(key=key, in_engine=True, tools_digest=tools_digest, source_tier="new")
+        s = Session(key=key, in_engine=True, tools_digest=tools_digest, tools=list(tools or []), source_tier="new")
         s.update(info, self.end_of_turn_id)
         self._sessions[key] = s
         return s
 
     # --- turns ----------------------------------------------------------------------------------------
-    def begin_turn(self, s: Session, request_id: str) -> Running:
+    def begin_turn(self, s: Session, request_id: str, digest: str = "") -> Running:
         if s.busy:
             raise SessionBusy(f"a turn is already running on session {s.key.split('/')[-1]!r}")
         if s.ended:
             raise SessionNotFound(f"session {s.key.split('/')[-1]!r} was ended")
-        s.running = Running(request_id, asyncio.get_running_loop().create_future())
+        s.running = Running(request_id, asyncio.get_running_loop().create_future(), digest=digest)
         return s.running
 
+    def record(self, s: Session, running: Running, completion: bytes) -> None:
+        """Remember a finished turn's completion under its request_id (the last ``idempotency_window``)."""
+        if not running.request_id:
+            return
+        s.records[running.request_id] = completion
+        if running.digest:
+            s.request_digests[running.request_id] = running.digest
+        while len(s.records) > self.idempotency_window:
+            rid, _ = s.records.popitem(last=False)
+            s.request_digests.pop(rid, None)
+
     def end_turn(self, s: Session, running: Running, completion: bytes | None) -> None:
-        if completion is not None and running.request_id:
-            s.records[running.request_id] = completion
-            while len(s.records) > self.idempotency_window:
-                s.records.popitem(last=False)
+        if completion is not None:
+            self.record(s, running, completion)
         if not running.done.done():
             running.done.set_result(completion)
         if s.running is running:
@@ -345,9 +395,23 @@ class SessionManager:
         now = time.monotonic()
         victims = [s for s in self._sessions.values()
                    if s.in_engine and not s.busy and not s.snapshot_pending and now - s.last_used > idle_s]
+        freed = 0
         for s in victims:
+            try:  # free it only if the store still holds what this replica committed
+                stored = await asyncio.to_thread(self.store.load, s.key, False)
+            except StoreError as e:
+                log.warning("session %s kept here: its stored copy cannot be checked (%s)", s.key, e)
+                continue
+            if s.busy or s.stale or self._sessions.get(s.key) is not s or self._store_behind(s, stored):
+                continue
             await self._drop_local(s)
-        return len(victims)
+            freed += 1
+        return freed
+
+
+def recorded_in(app: dict[str, Any], request_id: str) -> bool:
+    """Does a stored session's sidecar metadata record a finished turn under ``request_id``?"""
+    return any(rid == request_id for rid, *_ in app.get("requests", []))
 
 
 __all__ = ["BadSessionId", "Running", "Session", "SessionError", "SessionManager", "StoreBehind", "check_id",

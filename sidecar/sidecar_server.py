@@ -25,10 +25,11 @@ from sidecar.engine_client import EngineClient
 from sidecar.hooks import ServerHooks
 from sidecar.options import ServerOptions
 from sidecar.service import SidecarService
-from sidecar.sessions import SessionManager
+from sidecar.sessions import Session, SessionManager
 from sidecar.snapshots import SnapshotWriter
-from sidecar.store import SessionStore
+from sidecar.store import SessionStore, StoreUnavailable
 from sidecar.turns import TurnRunner
+from sidecar.validation import BYTES_PER_TOKEN
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class SidecarServer:
     # --- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> int:
         o = self.options
+        if o.limits.max_turn_bytes is None:
+            o.limits.max_turn_bytes = BYTES_PER_TOKEN * self.client.model.max_model_len
         self._stopped = asyncio.Event()
         self.client.start(asyncio.get_running_loop())
         self.hooks.on_start(self.client)
@@ -68,7 +71,8 @@ class SidecarServer:
                                          hooks=self.hooks)
             self.writer.start()
         self.turns = TurnRunner(self.client, self.sessions, self.renderer, limits=o.limits,
-                                tenant_limits=o.tenant_limits, hooks=self.hooks, mark_dirty=self.mark_dirty)
+                                tenant_limits=o.tenant_limits, hooks=self.hooks, mark_dirty=self.mark_dirty,
+                                commit_turn=self.commit_turn if o.durability == "sync" else None)
         self.service = SidecarService(client=self.client, sessions=self.sessions, turns=self.turns, options=o,
                                       hooks=self.hooks, store=self.store, mark_dirty=self.mark_dirty,
                                       write_now=self.write_now, draining=lambda: self.draining)
@@ -115,6 +119,16 @@ class SidecarServer:
         """The session changed: queue its snapshot."""
         if self.writer is not None:
             self.writer.mark_dirty(key)
+
+    async def commit_turn(self, s: Session, running, completion: bytes) -> None:
+        """durability sync: record the turn and write its snapshot before its completion is sent."""
+        if self.writer is None:
+            return
+        self.sessions.record(s, running, completion)
+        await self.writer.write(s.key)
+        if s.snapshot_pending:
+            raise StoreUnavailable(f"the turn finished but its snapshot was not written ({s.snapshot_error}); "
+                                   f"retry with the same request_id")
 
     async def write_now(self, key: str) -> None:
         if self.writer is not None:

@@ -5,8 +5,17 @@ is written once, and at most one snapshot is held in memory), serializes it off 
 and commits it on the generation it last committed. The queue of dirty sessions is bounded and
 marking never blocks a turn: past the bound, the writer finds the overflow later by scanning for
 sessions whose committed generation is behind. A store that cannot be reached is retried with
-exponential backoff until it comes back; a generation conflict (another replica committed the
-session meanwhile) marks the local copy stale.
+exponential backoff until it comes back.
+
+A commit that finds another generation in the store than the one this replica last committed
+tells two cases apart:
+
+* **another replica is newer**: the store holds a generation above the one committed here (or
+  its freshness fence does): the local copy is marked stale and the next request reloads it;
+* **the store is older or empty**: Redis restarted without persistence, a replica was promoted
+  from a lagging copy, a backup was restored: the store holds less than this replica committed.
+  The holder keeps its session (its turn index never goes backwards) and rewrites the store on
+  the generation it now finds there.
 """
 
 from __future__ import annotations
@@ -46,6 +55,9 @@ class SnapshotWriter:
         self._overflow = False
         self.failures = 0
         self.writes = 0
+        self.rewrites = 0
+        """Sessions written again because the store had lost or rolled back their last commit."""
+        sessions.on_store_behind = self.mark_dirty
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="chainkv-snapshot-writer")
@@ -138,23 +150,40 @@ class SnapshotWriter:
                 return  # a turn started since (its end marks the session dirty again), or it ended
             generation = int(snap.meta["generation"])
             stored = await asyncio.to_thread(split_snapshot, snap, session.app_meta())
-            try:
-                await asyncio.to_thread(self.store.save, key, stored, session.committed_generation)
-            except GenerationConflict as e:
-                session.stale = True
-                session.snapshot_error = str(e)
-                log.warning("%s; this replica's copy is stale", e)
-                self._failed(key, "conflict")
-                return
-            except StoreUnavailable:
-                raise
-            except StoreError as e:
-                session.snapshot_error = str(e)
-                log.error("snapshot of %s refused: %s", key, e)
-                self._failed(key, "refused")
-                return
+            expected = session.committed_generation
+            for attempt in range(2):
+                try:
+                    await asyncio.to_thread(self.store.save, key, stored, expected)
+                    break
+                except GenerationConflict as e:
+                    if attempt == 0 and store_regressed(session.committed_generation, e):
+                        log.warning("%s: the store lost or rolled back this session (it holds generation %s, this "
+                                    "replica committed %s); rewriting it", key, e.found, session.committed_generation)
+                        expected = e.found
+                        self.rewrites += 1
+                        continue
+                    session.stale = True
+                    session.snapshot_error = str(e)
+                    log.warning("%s; this replica's copy is stale", e)
+                    self._failed(key, "conflict")
+                    return
+                except StoreUnavailable:
+                    raise
+                except StoreError as e:
+                    session.snapshot_error = str(e)
+                    log.error("snapshot of %s refused: %s", key, e)
+                    self._failed(key, "refused")
+                    return
             session.committed_generation = generation
             session.snapshot_error = None
             self.writes += 1
             if self.hooks is not None:
                 self.hooks.on_snapshot(key, len(stored.kv or b""), time.monotonic() - started)
+
+
+def store_regressed(committed: int | None, conflict: GenerationConflict) -> bool:
+    """Does ``conflict`` mean the store is older than (or lost) what this replica committed, rather
+    than that another replica committed something newer?"""
+    if conflict.fenced or committed is None:
+        return False
+    return conflict.found is None or conflict.found < committed

@@ -7,9 +7,13 @@ Two implementations share one format:
   The braces are a Redis Cluster hash tag: a session's keys live on one shard. ``<version>`` is
   the generation plus a per-write nonce (``12.3f9a01c2``), so two replicas racing on the same
   generation never overwrite each other's chunks.
-* ``DirectoryStore`` (the embedded default): ``<root>/<quoted key>/meta`` (the same hash fields,
+* ``DirectoryStore`` (the embedded default): ``<root>/<folder>/meta`` (the same hash fields,
   as one msgpack map) and ``kv.<version>.<i>`` files beside it, each written to a temporary file
-  and renamed into place; commits hold an ``flock`` on the session's folder.
+  and renamed into place; commits hold an ``flock`` on the session's folder. ``<folder>`` is
+  ``s-`` plus the base32 SHA-256 of the key: whatever bytes a tenant or session id holds (``..``,
+  ``/``, NUL, 10 KB), its folder is one fixed-length name directly inside the root. Deleting a
+  session removes only the files the store writes (``meta``, ``fence``, ``.lock``, ``kv.*`` and
+  its temporary files), then the folder if it is empty.
 
 A write puts the chunks first, then commits the meta on the *expected generation* (the one the
 writer loaded or last committed; none for a new session): Redis checks it in a Lua script, the
@@ -18,6 +22,14 @@ chunk is verified against the checksum the meta records for it (``Checksum``, SH
 HMAC replaces it when a key is configured, and the meta is then signed too: sidecar/integrity.py). Every key has
 a TTL (the directory store records ``expires_at`` and treats expired sessions as gone). Values
 are raw bytes, ASCII numbers or msgpack; no pickle anywhere.
+
+Freshness. Beside the meta, each session has a *fence*: the highest generation ever committed
+for it (``<prefix>:{<key>}:fence`` in Redis, ``fence`` in the session's folder), raised in the
+same atomic step as each commit and never lowered (signed with the snapshot HMAC key when one is
+configured, and bound to the session key). A meta older than its fence (an older, validly signed
+record put back, a replica promoted from a lagging copy, a backup restored over newer data) is
+refused with ``SnapshotRolledBack``: it is never served as the current session. A commit never
+writes a generation below the fence.
 
 The meta hash fields: the session record (what ``ChainCache.snapshot`` produces minus the KV
 state, see ``engine.chain.KV_STATE_KEYS``): ``session_id``, ``turn_index``, ``generation``,
@@ -29,11 +41,13 @@ The KV chunks are a ``SessionSnapshot`` byte string (engine/cache/snapshot.py) c
 
 from __future__ import annotations
 
+import base64
 import fcntl
 import hashlib
 import hmac
 import math
 import os
+import re
 import secrets
 import time
 import urllib.parse
@@ -43,6 +57,9 @@ from typing import Any
 
 import msgpack
 
+from sidecar.store_errors import (GenerationConflict, SnapshotRejected, SnapshotRolledBack, StoreError,  # noqa: F401
+                                  StoreUnavailable)
+
 FORMAT = b"chainkv-session/1"
 DEFAULT_TTL_S = 7 * 24 * 3600
 DEFAULT_CHUNK_BYTES = 4 * 2**20
@@ -51,22 +68,6 @@ _INT_FIELDS = ("generation", "turn_index")
 _RAW_FIELDS = ("tokens",)
 _STR_FIELDS = ("session_id", "digest", "fingerprint")
 _STORE_FIELDS = ("format", "kv", "app", "updated_at", "expires_at", "mac")
-
-
-class StoreError(RuntimeError):
-    """The store refused an operation or holds something it cannot read."""
-
-
-class StoreUnavailable(StoreError):
-    """The store cannot be reached (retry later)."""
-
-
-class GenerationConflict(StoreError):
-    """The committed generation is not the one the writer expected: another writer got there first."""
-
-    def __init__(self, key: str, expected: int | None, found: int | None):
-        super().__init__(f"session {key!r}: the store holds generation {found}, not the expected {expected}")
-        self.expected, self.found = expected, found
 
 
 class Checksum:
@@ -105,6 +106,10 @@ class StoredSession:
     @property
     def turn_index(self) -> int:
         return int(self.record["turn_index"])
+
+
+def _fence_bytes(key: str, generation: int) -> bytes:
+    return msgpack.packb(["chainkv-fence/1", key, int(generation)], use_bin_type=True)
 
 
 # --- the field codec (shared by both stores) --------------------------------------------------------
@@ -183,10 +188,11 @@ class SessionStore:
         fields = encode_fields(stored, manifest, self.ttl_s)
         if self.hmac_keys is not None:
             self.hmac_keys.sign_meta(key, fields)
+        fields_fence = self.fence_value(key, stored.generation)
         if chunks:
             self._write_chunks(key, version, chunks)
         try:
-            old = self._commit(key, fields, expected_generation)
+            old = self._commit(key, fields, expected_generation, fields_fence)
         except GenerationConflict:
             self._delete_chunks(key, version, len(chunks))
             raise
@@ -205,6 +211,9 @@ class SessionStore:
             stored, manifest, expires = decode_fields(fields)
             if expires < time.time():
                 return None
+            fence = self.fence(key)
+            if fence is not None and stored.generation < fence:
+                raise SnapshotRolledBack(key, stored.generation, fence)
             if not with_kv or not manifest.get("chunks"):
                 return stored
             if manifest.get("checksum") != self.checksum.name:
@@ -244,6 +253,30 @@ class SessionStore:
     def describe(self) -> str:
         return self.kind
 
+    # --- freshness ---------------------------------------------------------------------------------
+    def fence_value(self, key: str, generation: int) -> bytes:
+        """The fence bytes for ``generation``: ``<generation>`` or, with an HMAC key, ``<generation>.<mac>``."""
+        if self.hmac_keys is None:
+            return str(int(generation)).encode()
+        return f"{int(generation)}.{self.hmac_keys.mac(_fence_bytes(key, generation))}".encode()
+
+    def parse_fence(self, key: str, raw: bytes | None) -> int | None:
+        """The generation a stored fence holds (None: none). A forged or malformed fence raises StoreError."""
+        if not raw:
+            return None
+        text = raw.decode("ascii", "replace")
+        gen, _, tag = text.partition(".")
+        if not gen.isdigit():
+            raise StoreError(f"the freshness fence of {key.split('/')[-1]!r} is malformed")
+        if self.hmac_keys is not None:
+            if not tag or not self.hmac_keys.verify(_fence_bytes(key, int(gen)), tag):
+                raise SnapshotRejected(f"the freshness fence of {key.split('/')[-1]!r} fails its HMAC; refusing the session")
+        return int(gen)
+
+    def fence(self, key: str) -> int | None:
+        """The highest generation ever committed for ``key`` (None: no fence recorded)."""
+        return self.parse_fence(key, self._read_fence(key))
+
     def _meta_version(self, key: str) -> str | None:
         fields = self._read_meta(key)
         if not fields:
@@ -255,8 +288,12 @@ class SessionStore:
     def _write_chunks(self, key: str, version: str, chunks: list[bytes]) -> None:
         raise NotImplementedError
 
-    def _commit(self, key: str, fields: dict[str, bytes], expected: int | None) -> dict[str, Any] | None:
-        """Replace the meta if its generation is ``expected``; returns the old chunk manifest."""
+    def _commit(self, key: str, fields: dict[str, bytes], expected: int | None, fence: bytes) -> dict[str, Any] | None:
+        """Replace the meta if its generation is ``expected`` and raise the fence to ``fence`` (never
+        lower it; a generation below the fence is a GenerationConflict); returns the old chunk manifest."""
+        raise NotImplementedError
+
+    def _read_fence(self, key: str) -> bytes | None:
         raise NotImplementedError
 
     def _read_meta(self, key: str) -> dict | None:
@@ -271,16 +308,27 @@ class SessionStore:
 
 # --- Redis ------------------------------------------------------------------------------------------
 _COMMIT_LUA = """
--- KEYS[1]: the session's meta hash. ARGV[1]: the generation the writer expects to replace
--- ('' when the session must be new). ARGV[2]: the TTL in seconds. ARGV[3..]: field, value pairs.
+-- KEYS[1]: the session's meta hash; KEYS[2]: its fence. ARGV[1]: the generation the writer expects
+-- to replace ('' when the session must be new). ARGV[2]: the TTL in seconds. ARGV[3]: the new
+-- generation; ARGV[4]: its fence value. ARGV[5..]: field, value pairs.
 local cur = redis.call('HGET', KEYS[1], 'generation')
 if (ARGV[1] == '' and cur) or (ARGV[1] ~= '' and cur ~= ARGV[1]) then
   return {0, cur or ''}
 end
+local fence = tonumber(string.match(redis.call('GET', KEYS[2]) or '', '^(%d+)') or '-1')
+local gen = tonumber(ARGV[3])
+if gen < fence then
+  return {2, tostring(fence)}
+end
 local old = redis.call('HGET', KEYS[1], 'kv') or ''
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('HSET', KEYS[1], unpack(ARGV, 5))
 redis.call('EXPIRE', KEYS[1], ARGV[2])
+if gen > fence then
+  redis.call('SET', KEYS[2], ARGV[4], 'EX', ARGV[2])
+else
+  redis.call('EXPIRE', KEYS[2], ARGV[2])
+end
 return {1, old}
 """
 
@@ -309,6 +357,9 @@ class RedisStore(SessionStore):
     def meta_key(self, key: str) -> str:
         return f"{self.prefix}:{{{key}}}:meta"
 
+    def fence_key(self, key: str) -> str:
+        return f"{self.prefix}:{{{key}}}:fence"
+
     def chunk_key(self, key: str, version: str, i: int) -> str:
         return f"{self.prefix}:{{{key}}}:kv:{version}:{i}"
 
@@ -336,17 +387,23 @@ class RedisStore(SessionStore):
 
         self._call(write)
 
-    def _commit(self, key: str, fields: dict[str, bytes], expected: int | None) -> dict[str, Any] | None:
-        args: list[bytes | str] = ["" if expected is None else str(expected), str(self._ttl())]
+    def _commit(self, key: str, fields: dict[str, bytes], expected: int | None, fence: bytes) -> dict[str, Any] | None:
+        args: list[bytes | str] = ["" if expected is None else str(expected), str(self._ttl()),
+                                   fields["generation"], fence]
         for k, v in fields.items():
             args += [k, v]
-        ok, old = self._call(self._commit_script, keys=[self.meta_key(key)], args=args)
+        ok, old = self._call(self._commit_script, keys=[self.meta_key(key), self.fence_key(key)], args=args)
+        if ok == 2:
+            raise GenerationConflict(key, expected, int(old), fenced=True)
         if not ok:
             raise GenerationConflict(key, expected, int(old) if old else None)
         return msgpack.unpackb(old, raw=False) if old else None
 
     def _read_meta(self, key: str) -> dict | None:
         return self._call(self.client.hgetall, self.meta_key(key)) or None
+
+    def _read_fence(self, key: str) -> bytes | None:
+        return self._call(self.client.get, self.fence_key(key))
 
     def _read_chunks(self, key: str, version: str, n: int) -> list[bytes | None]:
         return self._call(self.client.mget, [self.chunk_key(key, version, i) for i in range(n)])
@@ -364,7 +421,7 @@ class RedisStore(SessionStore):
             self._delete_chunks(key, manifest["version"], manifest.get("chunks", 0))
         except StoreError:
             pass
-        return bool(self._call(self.client.unlink, self.meta_key(key)))
+        return bool(self._call(self.client.unlink, self.meta_key(key), self.fence_key(key)))
 
 
 # --- a local directory --------------------------------------------------------------------------------
@@ -378,12 +435,37 @@ class DirectoryStore(SessionStore):
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise StoreUnavailable(f"cannot create the session folder {self.root}: {e}") from None
+        self.migrated = self._migrate_quoted_folders()
+
+    def _migrate_quoted_folders(self) -> int:
+        """Move sessions an earlier version stored under ``<root>/<quoted key>`` to their hashed folder
+        (their checksums and HMACs bind the key, not the path, so they stay valid). Returns how many."""
+        moved = 0
+        try:
+            entries = list(self.root.iterdir())
+        except OSError:
+            return 0
+        for d in entries:
+            if OWN_FOLDER_RE.fullmatch(d.name) or d.is_symlink() or not d.is_dir() or not (d / "meta").is_file():
+                continue
+            key = urllib.parse.unquote(d.name)
+            if urllib.parse.quote(key, safe="") != d.name:
+                continue  # not a name this store ever made
+            target = self.folder(key)
+            try:
+                if not target.exists():
+                    os.rename(d, target)
+                    moved += 1
+            except OSError:
+                continue
+        return moved
 
     def describe(self) -> str:
         return f"directory {self.root}"
 
     def folder(self, key: str) -> Path:
-        return self.root / urllib.parse.quote(key, safe="")
+        """The session's folder: a fixed-length name derived from the key's bytes, directly in the root."""
+        return self.root / folder_name(key)
 
     def ping(self) -> None:
         if not os.access(self.root, os.W_OK):
@@ -401,25 +483,38 @@ class DirectoryStore(SessionStore):
             tmp.unlink(missing_ok=True)
             raise StoreUnavailable(f"cannot write {path}: {e}") from None
 
-    def _write_chunks(self, key: str, version: str, chunks: list[bytes]) -> None:
+    def _mkdir(self, key: str) -> Path:
         d = self.folder(key)
-        d.mkdir(parents=True, exist_ok=True)
+        try:
+            d.mkdir(exist_ok=True)
+        except OSError as e:
+            raise StoreUnavailable(f"cannot create {d}: {e}") from None
+        return d
+
+    def _write_chunks(self, key: str, version: str, chunks: list[bytes]) -> None:
+        d = self._mkdir(key)
         for i, c in enumerate(chunks):
             self._atomic_write(d / f"kv.{version}.{i}", c)
 
     def _lock(self, key: str):
-        d = self.folder(key)
-        d.mkdir(parents=True, exist_ok=True)
-        return _FileLock(d / ".lock")
+        return _FileLock(self._mkdir(key) / ".lock")
 
-    def _commit(self, key: str, fields: dict[str, bytes], expected: int | None) -> dict[str, Any] | None:
+    def _commit(self, key: str, fields: dict[str, bytes], expected: int | None, fence: bytes) -> dict[str, Any] | None:
+        d = self.folder(key)
         with self._lock(key):
             current = self._read_meta(key)
             found = int(current[b"generation"]) if current and self._alive(current) else None
             if found != expected:
                 raise GenerationConflict(key, expected, found)
-            self._atomic_write(self.folder(key) / "meta", msgpack.packb({k.encode(): v for k, v in fields.items()},
-                                                                        use_bin_type=True))
+            raw = self._read_fence(key)
+            have = int(raw.split(b".", 1)[0]) if raw and raw.split(b".", 1)[0].isdigit() else -1
+            gen = int(fields["generation"])
+            if gen < have:
+                raise GenerationConflict(key, expected, have, fenced=True)
+            if gen > have:
+                self._atomic_write(d / "fence", fence)
+            self._atomic_write(d / "meta", msgpack.packb({k.encode(): v for k, v in fields.items()},
+                                                         use_bin_type=True))
             return msgpack.unpackb(current[b"kv"], raw=False) if current else None
 
     @staticmethod
@@ -439,6 +534,15 @@ class DirectoryStore(SessionStore):
         except msgpack.UnpackException as e:
             raise StoreError(f"{path} is corrupt: {e}") from None
 
+    def _read_fence(self, key: str) -> bytes | None:
+        path = self.folder(key) / "fence"
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StoreUnavailable(f"cannot read {path}: {e}") from None
+
     def _read_chunks(self, key: str, version: str, n: int) -> list[bytes | None]:
         out: list[bytes | None] = []
         for i in range(n):
@@ -454,31 +558,55 @@ class DirectoryStore(SessionStore):
 
     def delete(self, key: str) -> bool:
         d = self.folder(key)
-        if not d.exists():
+        if not d.is_dir():
             return False
         with self._lock(key):
             existed = (d / "meta").exists()
-            for p in d.iterdir():
-                p.unlink(missing_ok=True)
-            try:
-                d.rmdir()
-            except OSError:
-                pass  # a writer put a file there meanwhile
+            _remove_own_files(d)
+        _remove_if_empty(d)
         return existed
 
     def sweep(self) -> int:
         """Delete expired sessions; returns how many."""
         n = 0
         for d in self.root.iterdir():
+            if not OWN_FOLDER_RE.fullmatch(d.name) or d.is_symlink() or not d.is_dir():
+                continue  # not a folder this store made
             meta = d / "meta"
             try:
                 fields = msgpack.unpackb(meta.read_bytes(), raw=True)
             except (OSError, msgpack.UnpackException):
                 continue
             if not self._alive(fields):
-                self.delete(urllib.parse.unquote(d.name))
+                with _FileLock(d / ".lock"):
+                    _remove_own_files(d)
+                _remove_if_empty(d)
                 n += 1
         return n
+
+
+OWN_FOLDER_RE = re.compile(r"s-[a-z2-7]{52}")
+OWN_FILE_RE = re.compile(r"meta|fence|\.lock|kv\.[0-9]+\.[0-9a-f]+\.[0-9]+|\.(meta|fence|kv\.[0-9]+\.[0-9a-f]+\.[0-9]+)\.[0-9a-f]+\.tmp")
+
+
+def folder_name(key: str) -> str:
+    """``s-`` + the unpadded base32 of SHA-256(key): 54 characters of ``[a-z2-7-]`` for any key."""
+    digest = hashlib.sha256(b"chainkv-session-folder/1\0" + key.encode("utf-8", "surrogatepass")).digest()
+    return "s-" + base64.b32encode(digest).decode().rstrip("=").lower()
+
+
+def _remove_own_files(d: Path) -> None:
+    """Unlink the files a DirectoryStore writes in ``d`` (never anything else, never following links out)."""
+    for p in d.iterdir():
+        if OWN_FILE_RE.fullmatch(p.name) and (p.is_symlink() or p.is_file()):
+            p.unlink(missing_ok=True)
+
+
+def _remove_if_empty(d: Path) -> None:
+    try:
+        d.rmdir()
+    except OSError:
+        pass  # a writer put a file there meanwhile, or something that is not ours
 
 
 class _FileLock:

@@ -4,7 +4,8 @@
 markup held back while it might still be the start of a tag) and complete tool calls. A call is
 ``{"name": str, "arguments": object}`` (``"parameters"`` is accepted for ``"arguments"``, and
 arguments given as a JSON string are parsed). Markup that does not hold a well-formed call is
-passed through as text, so a small model's near-misses stay visible instead of vanishing. At the
+passed through as text (at the end of the reply), so a small model's near-misses stay visible
+instead of vanishing; a closing tag inside the arguments' strings does not end the call. At the
 end of a reply, an unclosed ``<tool_call>`` whose body is a complete call (the model stopped
 before the closing tag) still counts.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+
+from sidecar.validation import loads_bounded
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -27,7 +30,7 @@ class ParsedToolCall:
 def parse_call(body: str) -> ParsedToolCall | None:
     """A tool call from the JSON between the tags, or None if it is not one."""
     try:
-        obj = json.loads(body)
+        obj = loads_bounded(body)
     except (json.JSONDecodeError, ValueError):
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
@@ -35,8 +38,8 @@ def parse_call(body: str) -> ParsedToolCall | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
+            args = loads_bounded(args) if args.strip() else {}
+        except ValueError:  # not JSON, or nested too deep
             return None
     if not isinstance(args, dict):
         return None
@@ -65,30 +68,41 @@ class ToolCallParser:
                 self._buf = self._buf[at + len(OPEN):]
                 self._inside = True
             else:
-                at = self._buf.find(CLOSE)
-                if at < 0:
+                at = _closing(self._buf)
+                if at < 0:  # no closing tag yet, or none after which the body parses: wait for more
                     return events
-                body, self._buf = self._buf[:at], self._buf[at + len(CLOSE):]
+                call = parse_call(self._buf[:at])
+                self._buf = self._buf[at + len(CLOSE):]
                 self._inside = False
-                call = parse_call(body)
-                if call is None:
-                    _text(events, OPEN + body + CLOSE)
-                else:
-                    events.append(("tool_call", call))
+                events.append(("tool_call", call))
 
     def finish(self) -> list[tuple[str, object]]:
         """The events still held back when the reply ends."""
         events: list[tuple[str, object]] = []
         if self._inside:
-            call = parse_call(self._buf)
+            at = _closing(self._buf)
+            call = parse_call(self._buf[:at] if at >= 0 else self._buf)
             if call is None:
                 _text(events, OPEN + self._buf)
             else:
                 events.append(("tool_call", call))
+                if at >= 0:
+                    _text(events, self._buf[at + len(CLOSE):])
         else:
             _text(events, self._buf)
         self._buf, self._inside = "", False
         return events
+
+
+def _closing(buf: str) -> int:
+    """Where the closing tag of the call in ``buf`` is: the first one after which the body parses
+    (a tag inside the arguments' strings is skipped); -1 when there is none yet."""
+    at = buf.find(CLOSE)
+    while at >= 0:
+        if parse_call(buf[:at]) is not None:
+            return at
+        at = buf.find(CLOSE, at + len(CLOSE))
+    return -1
 
 
 def _text(events: list, text: str) -> None:
@@ -105,3 +119,13 @@ def _partial_suffix(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
+
+
+class PlainText:
+    """``ToolCallParser``'s interface for a reply whose tool markup stays text (tool_choice none)."""
+
+    def feed(self, text: str) -> list[tuple[str, object]]:
+        return [("text", text)] if text else []
+
+    def finish(self) -> list[tuple[str, object]]:
+        return []

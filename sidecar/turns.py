@@ -34,12 +34,14 @@ from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.chat import ChatRenderer, tools_digest
 from sidecar.engine_client import EngineClient, EngineTurn
 from sidecar.engine_results import SessionInfo, TurnResult
-from sidecar.errors import TurnAborted
+from sidecar.errors import SequenceFailed, TurnAborted
 from sidecar.hooks import ServerHooks
 from sidecar.limits import QuotaExceeded, TenantLimits
 from sidecar.protocol import FINISH, TIERS, Limits, TurnArgs, parse_turn, tool_call_proto
 from sidecar.sessions import Running, Session, SessionManager, scoped_key
-from sidecar.tool_calls import ToolCallParser
+from sidecar.structured import tools_from_meta
+from sidecar.tool_calls import PlainText, ToolCallParser
+from sidecar.validation import check_same_request, request_digest
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +67,8 @@ class TurnRunner:
     """Runs Turn requests against the engine client and the session manager."""
 
     def __init__(self, client: EngineClient, sessions: SessionManager, renderer: ChatRenderer, *, limits: Limits,
-                 tenant_limits: TenantLimits, hooks: ServerHooks, mark_dirty: Callable[[str], None]):
+                 tenant_limits: TenantLimits, hooks: ServerHooks, mark_dirty: Callable[[str], None],
+                 commit_turn: Callable | None = None):
         self.client = client
         self.sessions = sessions
         self.renderer = renderer
@@ -73,31 +76,37 @@ class TurnRunner:
         self.tenant_limits = tenant_limits
         self.hooks = hooks
         self.mark_dirty = mark_dirty
+        self.commit_turn = commit_turn
+        """durability sync: ``await commit_turn(session, running, completion)`` before the completion is sent."""
         self.settling: set[asyncio.Task] = set()
         """Releases of turns whose callers went away, still running."""
 
     async def run(self, tenant: str, request: pb.TurnRequest, deadline: float | None) -> AsyncIterator[pb.TurnEvent]:
         """The events of one Turn RPC for ``tenant``; raises what ``status_for`` turns into a code."""
         args = parse_turn(request, self.limits)
-        async for event in self.run_args(tenant, args, deadline, max_tokens_given=request.HasField("max_tokens")):
+        async for event in self.run_args(tenant, args, deadline, max_tokens_given=request.HasField("max_tokens"),
+                                         digest=request_digest(request)):
             yield event
 
     async def run_args(self, tenant: str, args: TurnArgs, deadline: float | None, *,
-                       max_tokens_given: bool) -> AsyncIterator[pb.TurnEvent]:
+                       max_tokens_given: bool, digest: str = "") -> AsyncIterator[pb.TurnEvent]:
         """One turn from already-checked arguments (any front: gRPC, HTTP): text and token deltas,
-        tool calls, then the completion, as ``chainkv.v1.TurnEvent`` messages."""
+        tool calls, then the completion, as ``chainkv.v1.TurnEvent`` messages. ``digest``: the
+        request's content digest (a request_id reused for other content is refused)."""
         args.params.max_tokens = self.tenant_limits.check_max_tokens(tenant, args.params.max_tokens, max_tokens_given)
         key = scoped_key(tenant, args.session_id)
         self.check_quota(tenant, key)
         s = await self.sessions.get_settled(key, create=True, expected_turn_index=args.expected_turn_index,
-                                            deadline=deadline)
+                                            deadline=deadline, request_id=args.request_id)
         if args.request_id:
+            check_same_request(s, args.request_id, digest)
             recorded = await self._recorded(s, args.request_id)
             if recorded is not None:
                 for event in replay_events(recorded):
                     yield event
                 return
-        running = self.sessions.begin_turn(s, args.request_id)
+        await self._constrain(s, args)
+        running = self.sessions.begin_turn(s, args.request_id, digest)
         if not s.in_engine:  # a new session: recheck the quota now that it is taken (no await since)
             try:
                 self.tenant_limits.check_new_session(tenant, self.sessions.all(), exclude=key)
@@ -132,6 +141,14 @@ class TurnRunner:
             await asyncio.gather(*list(self.settling), return_exceptions=True)
 
     # --- internals ---------------------------------------------------------------------------------------
+    async def _constrain(self, s: Session, args: TurnArgs) -> None:
+        """Structured output: the turn's grammar, compiled off the engine thread (which then finds it
+        cached) and before the session is taken, so a bad schema leaves the session untouched."""
+        constraint = args.output.constraint(args.tools or tools_from_meta(s.tools))
+        if constraint is not None:
+            await asyncio.to_thread(self.client.compile_grammar, constraint)
+            args.params.constraint = constraint
+
     async def _recorded(self, s: Session, request_id: str) -> bytes | None:
         if request_id in s.records:
             return s.records[request_id]
@@ -156,10 +173,12 @@ class TurnRunner:
         self.tenant_limits.check_prompt(TenantLimits.tenant_of(key), len(rendered.token_ids))
         stream = await self.client.start_turn(key, EngineTurn(
             token_ids=rendered.token_ids, params=args.params, spans=rendered.spans, method=args.method,
-            expected_turn_index=args.expected_turn_index, shared_prefix=rendered.shared_prefix, new_session=new))
+            expected_turn_index=args.expected_turn_index, shared_prefix=rendered.shared_prefix, new_session=new,
+            prefix_scope="" if args.public_prefix else f"tenant:{TenantLimits.tenant_of(key)}"))
         if new:
             s.in_engine, s.tools_digest, s.source_tier = True, digest, "new"
-        parser, text, calls = ToolCallParser(), [], []
+            s.tools = [t.openai() for t in args.tools]
+        parser, text, calls = (ToolCallParser() if args.output.parses_tools else PlainText()), [], []
         turn_index = s.turn_index
         async for delta in stream:
             events = parser.feed(delta.text)
@@ -186,10 +205,14 @@ class TurnRunner:
             raise TurnAborted("the turn was stopped (the session was ended)")
         if result.finish_reason == "error":
             raise CapacityError(result.error or "the KV pool could not hold the turn")
+        if result.finish_reason == "failed":
+            raise SequenceFailed(f"the turn failed and was rolled back: {result.error}")
         completion = completion_proto(args, turn_index, result, "".join(text), calls)
         if result.session is not None:
             s.update(result.session, self.sessions.end_of_turn_id)
         state.completion = completion.SerializeToString()
+        if self.commit_turn is not None:
+            await self.commit_turn(s, state.running, state.completion)
         self.mark_dirty(key)
         self.hooks.on_turn(completion, time.monotonic() - state.started_at)
         yield pb.TurnEvent(completion=completion)

@@ -129,3 +129,18 @@ def run_turn(engine, sid: str, tokens: list[int], params, **kw):
         for out in engine.step():
             if out.request_id == sid and out.finished:
                 return out
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_dir(tmp_path_factory, smollm2_dir):
+    """A tiny random llama with SmolLM2's tokenizer and chat template (vocab 49152): chat, tools and
+    structured output on a model that loads in a second (its replies are random text)."""
+    import shutil
+    from pathlib import Path
+
+    path = tmp_path_factory.mktemp("tiny-chat")
+    make_tiny("llama", path, vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (Path(smollm2_dir) / name).exists():
+            shutil.copy(Path(smollm2_dir) / name, path / name)
+    return str(path)

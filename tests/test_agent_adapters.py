@@ -123,8 +123,12 @@ def test_a_stream_dropped_after_its_first_tokens_is_retried_without_running_the_
                 assert smol_engine.totals["decoded_tokens"] - decoded_before == 32  # the engine ran it once
             s = c.get_session(sid)
             assert s.turn_index == 1 and s.history_tokens == result.usage.history_tokens
-            again = c.turn(sid, [{"role": "user", "content": "x"}], request_id="req-1")  # a late duplicate
+            again = c.turn(sid, [{"role": "user", "content": "Tell me about the sea."}], max_tokens=32,
+                           ignore_eos=True, request_id="req-1")  # a late duplicate
             assert again.replayed and again.text == result.text and c.get_session(sid).turn_index == 1
+            with pytest.raises(ChainKVError) as e:  # the same request_id for another request is refused
+                c.turn(sid, [{"role": "user", "content": "x"}], request_id="req-1")
+            assert e.value.code is grpc.StatusCode.FAILED_PRECONDITION and c.get_session(sid).turn_index == 1
     finally:
         proxy.close()
 

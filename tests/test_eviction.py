@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.lifecycle import MethodSpec
 from engine.llm import LLMEngine
 from engine.methods import REGISTRY
+from engine.methods.pyramidkv import pyramid_budgets
 from engine.model.llama import rope_tables
 from engine.sampling import SamplingParams
 
@@ -142,15 +143,26 @@ def test_snapkv_window_spans_prefill_chunks(tiny_models):
 def test_pyramidkv_rule(tiny_engine):
     w, kernel, beta = 4, 3, 2
     seen, kept = _run(tiny_engine, MethodSpec("pyramidkv", budget=B, method_args={"window_size": w, "kernel_size": kernel, "beta": beta}), 1)
-    spare = B - w  # bottom layer 2*spare - spare/beta, top spare/beta, linear in between
-    lo, hi = spare / beta, 2 * spare - spare / beta
-    budgets = [w + round(hi - (hi - lo) * layer / 2) for layer in range(3)]
-    assert budgets == [22, 16, 10] and sum(budgets) == 3 * B
+    # kvpress' PyramidKVPress: top layer B/beta, bottom 2B - B/beta, linear in between, window included
+    lo, hi = B / beta, 2 * B - B / beta
+    budgets = [round(hi - (hi - lo) * layer / 2) for layer in range(3)]
+    assert budgets == [24, 16, 8] and sum(budgets) == 3 * B
     for layer, rec in seen["prefill"].items():
         s = snap(rec, w, kernel)
         for h in range(2):
             assert kept[layer][h] == top(s[h], budgets[layer] - w) + list(range(N - w, N)), (layer, h)
             assert len(kept[layer][h]) == budgets[layer]
+
+
+def test_pyramidkv_budgets_follow_kvpress():
+    """kvpress' PyramidKVPress: the window is in the line, the bottom layer is capped at
+    context - window, and a top layer under the window falls back to snapkv's uniform budget."""
+    assert pyramid_budgets(3, 16, 4, 48, 2) == [24, 16, 8]
+    assert pyramid_budgets(4, 48, 8, 1000, 20) == [48] * 4  # 48 / 20 < 8: snapkv
+    assert pyramid_budgets(3, 40, 4, 60, 2) == [56, 40, 24]  # 2*40 - 20 = 60 >= 60 - 4: capped at 56, top 80 - 56
+    assert pyramid_budgets(3, 102.4, 4, 256, 4) == [179, 102, 26]  # a ratio's unrounded budget, Python rounding
+    b = pyramid_budgets(30, 2048, 64, 8000, 20)
+    assert b[0] == 3994 and b[-1] == 102 and sum(b) == 30 * 2048
 
 
 def test_adakv_rule(tiny_engine):
@@ -279,6 +291,7 @@ def test_pages_freed_and_budgets_add_up():
     L, H, P = engine.shape.num_layers, engine.shape.num_kv_heads, engine.config.page_size
     names = ["h2o", "tova", "snapkv", "pyramidkv", "adakv", "keydiff", "expected_attention"]  # rkv: decode-time only
     specs = {m: MethodSpec(m, budget=budget, method_args={"window_size": 8} if m in ("snapkv", "pyramidkv") else {}) for m in names}
+    specs["pyramidkv"].method_args["beta"] = 2  # beta 20 would keep B/20 < window in the top layer: kvpress then falls back to snapkv
     engine.controller.method_for(specs["adakv"]).scorer.params.window_size = 8  # its scorer's window, as snapkv's
     free_before = engine.pool.num_free
     ids = {m: engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True), method=specs[m]) for m in names}
@@ -289,7 +302,7 @@ def test_pages_freed_and_budgets_add_up():
         assert torch.equal(pages, (lengths + P - 1) // P), m  # pages in use = ceil(kept / page_size) per head
         if m == "pyramidkv":
             per_layer = lengths[:, 0]
-            assert bool((lengths == per_layer[:, None]).all()) and int(lengths.sum()) == L * H * budget
+            assert bool((lengths == per_layer[:, None]).all()) and int(lengths.sum()) == H * sum(pyramid_budgets(L, budget, 8, n, 2))
             assert int(per_layer[0]) > budget > int(per_layer[-1])  # falling from bottom to top
         elif m == "adakv":
             assert lengths.sum(1).eq(H * budget).all() and not bool(lengths.eq(budget).all())

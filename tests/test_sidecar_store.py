@@ -97,7 +97,7 @@ def test_every_redis_key_expires(redis_proc):
     r = RedisStore(redis_proc.url, prefix="ttl", ttl_s=600, chunk_bytes=1000)
     r.save("s", session(1, blob=os.urandom(1200)), expected_generation=None)
     keys = list(r.client.scan_iter("ttl:*"))
-    assert len(keys) == 3 and all(0 < r.client.ttl(k) <= 600 for k in keys)
+    assert len(keys) == 4 and all(0 < r.client.ttl(k) <= 600 for k in keys)  # meta, fence, 2 chunks
 
 
 def test_directory_sessions_expire(tmp_path):

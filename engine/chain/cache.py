@@ -75,7 +75,7 @@ class ChainCache:
     def start_turn(self, session_id: Hashable, tokens: list[int], params: SamplingParams, *, role: str = "user",
                    spans: list[tuple[int, int, str]] | None = None, method: MethodSpec | None = None,
                    expected_turn_index: int | None = None, history: list[int] | None = None,
-                   shared_prefix: int = 0) -> Sequence:
+                   shared_prefix: int = 0, prefix_scope: str = "") -> Sequence:
         chain = self.chains.get(session_id)
         if chain is not None and chain.state is ChainState.ACTIVE:
             raise SessionBusy(f"a turn is already running on session {session_id!r}")
@@ -98,7 +98,7 @@ class ChainCache:
             self.controller.method_for(spec)  # a bad spec fails before anything changes
             seq = self.requests.new_sequence(session_id, tokens, params, spec)
             chain = Chain(session_id=session_id, seq=seq, spec=spec, queries=self._query_window())
-            self._attach_prefix(chain, tokens, shared_prefix)
+            self._attach_prefix(chain, tokens, shared_prefix, prefix_scope)
             seq.source_tier = Tier.NEW
             self.chains[session_id] = chain
         else:
@@ -127,7 +127,7 @@ class ChainCache:
             return chain.host_source
         return Tier.RECOMPUTE
 
-    def _attach_prefix(self, chain: Chain, tokens: list[int], shared_prefix: int) -> None:
+    def _attach_prefix(self, chain: Chain, tokens: list[int], shared_prefix: int, scope: str = "") -> None:
         """Fork the longest cached copy of the session's shared prefix; protect the prefix."""
         if not self.config.prefix_sharing or shared_prefix <= 0:
             return
@@ -135,7 +135,7 @@ class ChainCache:
         full = min(shared_prefix, len(tokens) - 1) // P
         if full == 0:
             return
-        holder, n, hashes = self.prefixes.match(tokens[: full * P])
+        holder, n, hashes = self.prefixes.match(tokens[: full * P], scope)
         seq.protected_len = full * P
         if holder is not None and (self.manager.num_free_slots > 0 or self.tiers.reclaim_slot()):
             self.prefixes.attach(holder, seq.seq_id, n)

@@ -38,6 +38,8 @@ def pytest_sessionfinish(session, exitstatus):
         "crashes": sum(v["crashes"] for v in fuzz.values()),
         "fuzz": fuzz,
         "load": REPORT["load"],
+        "tampering": REPORT["tampering"],
+        "rolled_back_records_served": sum(t.get("served", 0) for t in REPORT["tampering"]),
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=2) + "\n")

@@ -1,0 +1,193 @@
+"""Grammar-constrained decoding: a reply that must match a JSON Schema, any JSON object, a regex or an
+EBNF grammar, with an optional fixed text before and after it (a forced tool call is a JSON object
+between ``<tool_call>\\n`` and ``\\n</tool_call>``; the sidecar builds that constraint).
+
+The grammar is compiled once per distinct ``Constraint`` by xgrammar against the engine's tokenizer
+(``GrammarBackend.compile``; thread-safe and cached, so a server compiles on a worker thread before
+the turn reaches the engine thread). Each constrained sequence owns a ``GrammarMatcher``: before
+sampling, its row of the logits gets the matcher's token bitmask (every token that cannot continue
+the grammar goes to -inf, ``apply_masks``); after sampling, the matcher accepts the token
+(``advance``). Once the grammar is complete only the stop tokens (the engine's EOS ids) stay
+allowed, so the reply ends where the structure ends.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+KINDS = ("json_object", "json_schema", "regex", "grammar")
+MAX_SPEC_CHARS = 256 * 1024
+"""The longest schema, regex or grammar text a constraint may carry."""
+MAX_AFFIX_CHARS = 256
+MAX_JSON_DEPTH = 64
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot be compiled (bad kind, malformed or unsupported schema, regex or grammar)."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a reply must match (``SamplingParams.constraint``).
+
+    ``kind``: ``json_object`` (any JSON object), ``json_schema`` (``spec``: the schema as JSON text),
+    ``regex`` (``spec``: the pattern) or ``grammar`` (``spec``: EBNF in xgrammar's GBNF dialect).
+    ``prefix`` / ``suffix``: fixed text around the structured part."""
+
+    kind: str
+    spec: str = ""
+    prefix: str = ""
+    suffix: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConstraintError(f"unknown constraint kind {self.kind!r}; use one of {', '.join(KINDS)}")
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_SPEC_CHARS:
+            raise ConstraintError(f"a constraint's text must be a string of at most {MAX_SPEC_CHARS} characters")
+        if self.kind != "json_object" and not self.spec:
+            raise ConstraintError(f"a {self.kind} constraint needs its text")
+        if len(self.prefix) > MAX_AFFIX_CHARS or len(self.suffix) > MAX_AFFIX_CHARS:
+            raise ConstraintError(f"a constraint's prefix and suffix take at most {MAX_AFFIX_CHARS} characters")
+        if self.kind == "json_schema":
+            check_schema(self.spec)
+
+    @classmethod
+    def json_schema(cls, schema: dict | str, prefix: str = "", suffix: str = "") -> "Constraint":
+        # the keys keep their order: a grammar writes an object's properties in the schema's order
+        text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))
+        return cls("json_schema", text, prefix, suffix)
+
+
+def check_schema(text: str) -> dict | bool:
+    """The schema parsed and sanity-checked (an object or a boolean, nesting at most MAX_JSON_DEPTH)."""
+    try:
+        schema = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ConstraintError(f"the JSON schema is not JSON ({e})") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ConstraintError("a JSON schema must be a JSON object")
+    if _depth(schema) > MAX_JSON_DEPTH:
+        raise ConstraintError(f"the JSON schema nests deeper than {MAX_JSON_DEPTH} levels")
+    return schema
+
+
+def _depth(value: Any) -> int:
+    depth, level = 0, [value]
+    while level:
+        depth += 1
+        nxt = []
+        for v in level:
+            if isinstance(v, dict):
+                nxt.extend(v.values())
+            elif isinstance(v, list):
+                nxt.extend(v)
+        level = nxt
+        if depth > MAX_JSON_DEPTH + 1:
+            break
+    return depth - 1
+
+
+class GrammarBackend:
+    """xgrammar against one tokenizer: compiles constraints (cached) and makes per-sequence matchers."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int], cache_size: int = 256):
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            raise ConstraintError("structured output needs xgrammar (pip install 'chainkv[server]' or xgrammar)") from None
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=self.stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=2)
+        self._cache: OrderedDict[Constraint, Any] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    def compile(self, c: Constraint):
+        """The compiled grammar of ``c`` (raises ConstraintError); safe to call from any thread."""
+        with self._lock:
+            hit = self._cache.get(c)
+            if hit is not None:
+                self._cache.move_to_end(c)
+                return hit
+        compiled = self._compile(c)
+        with self._lock:
+            self._cache[c] = compiled
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, c: Constraint):
+        xgr = self._xgr
+        try:
+            if c.kind == "json_object":
+                body = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            elif c.kind == "json_schema":
+                body = xgr.Grammar.from_json_schema(c.spec, any_whitespace=False, strict_mode=True)
+            elif c.kind == "regex":
+                body = xgr.Grammar.from_regex(c.spec)
+            else:
+                body = xgr.Grammar.from_ebnf(c.spec)
+            parts = [body]
+            if c.prefix:
+                parts.insert(0, xgr.Grammar.from_ebnf(f"root ::= {json.dumps(c.prefix)}"))
+            if c.suffix:
+                parts.append(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(c.suffix)}"))
+            grammar = xgr.Grammar.concat(*parts) if len(parts) > 1 else body
+            return self.compiler.compile_grammar(grammar)
+        except ConstraintError:
+            raise
+        except (RuntimeError, ValueError, TypeError, RecursionError) as e:  # xgrammar's parse / compile errors
+            raise ConstraintError(f"the {c.kind.replace('_', ' ')} cannot be compiled: {_short(e)}") from None
+
+    def matcher(self, c: Constraint, extra_stop_ids: list[int] | None = None) -> "Matcher":
+        stops = sorted(set(self.stop_token_ids) | set(extra_stop_ids or []))
+        return Matcher(self._xgr.GrammarMatcher(self.compile(c), override_stop_tokens=stops))
+
+    def apply_masks(self, logits: torch.Tensor, matchers: list["Matcher | None"]) -> None:
+        """Mask, in place, the rows of ``logits`` ``[M, V]`` that belong to constrained sequences."""
+        rows = [i for i, m in enumerate(matchers) if m is not None and not m.done]
+        if not rows:
+            return
+        xgr = self._xgr
+        bitmask = xgr.allocate_token_bitmask(len(logits), self.vocab_size)
+        for i in rows:
+            matchers[i].inner.fill_next_token_bitmask(bitmask, i)
+        if logits.device.type != "cpu":
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+
+
+class Matcher:
+    """One sequence's place in its grammar."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.rejected = False
+        """A token the grammar did not allow was fed (cannot happen through the sampler)."""
+
+    @property
+    def done(self) -> bool:
+        """The grammar is finished and a stop token was accepted: nothing more may follow."""
+        return self.rejected or self.inner.is_terminated()
+
+    def advance(self, token: int) -> bool:
+        if self.done:
+            return False
+        ok = bool(self.inner.accept_token(token))
+        self.rejected = not ok
+        return ok
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[-1] if text else type(e).__name__)[:300]

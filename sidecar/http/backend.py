@@ -1,0 +1,85 @@
+"""The HTTP front's one way onto the sidecar's sessions (the seam to swap for an engine client).
+
+A turn from either OpenAI API becomes a ``chainkv.v1.TurnRequest`` run by the sidecar's
+``TurnRunner`` (over its ``EngineClient``), as gRPC's Turn is, so both fronts share everything behind it: tenant-scoped session keys, quotas, loading a
+session from the store, rendering only the new messages, structured output, streaming, rolling back a
+turn whose caller went away, and write-behind snapshots. The bearer token is checked by the same
+``Authenticator`` as gRPC metadata, so an HTTP token and a gRPC token of one tenant see the same
+sessions and nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, AsyncIterator
+
+from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
+from sidecar.server import Draining
+from sidecar.sessions import Session, scoped_key
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sidecar.server import SidecarServer
+
+
+class SessionBackend:
+    def __init__(self, server: "SidecarServer", model_name: str):
+        self.server = server
+        self.engine = server.engine
+        self.model_name = model_name
+
+    # --- callers ------------------------------------------------------------------------------------
+    def tenant(self, authorization: str | None) -> str:
+        """The caller's tenant (raises Unauthenticated); the gRPC front's rules."""
+        if self.server.draining:
+            raise Draining("the sidecar is shutting down; retry on another replica")
+        return self.server.options.auth.tenant([("authorization", authorization)] if authorization else [])
+
+    # --- turns --------------------------------------------------------------------------------------
+    async def turn(self, authorization: str | None, request: pb.TurnRequest) -> AsyncIterator[pb.TurnEvent]:
+        """Run one turn: its TextDelta / ToolCall events, then its TurnCompletion (errors raise)."""
+        tenant = self.tenant(authorization)
+        self.server.client.check_serving()
+        async for event in self.server.turns.run(tenant, request, None):
+            yield event
+
+    # --- sessions -----------------------------------------------------------------------------------
+    def key(self, tenant: str, session_id: str) -> str:
+        return scoped_key(tenant, session_id)
+
+    def local(self, key: str) -> Session | None:
+        return self.server.sessions.local(key)
+
+    async def find(self, key: str) -> Session | None:
+        """The session here, or loaded from the store; None when it exists nowhere."""
+        s = self.server.sessions.local(key)
+        if s is not None and s.in_engine:
+            return s
+        try:
+            s = await self.server.sessions.get(key, create=False)
+        except Exception as e:  # noqa: BLE001 - only "not found" means None; the rest is the caller's error
+            from engine.chain import SessionNotFound
+
+            if isinstance(e, SessionNotFound):
+                return None
+            raise
+        return s if s.in_engine else None
+
+    async def end(self, key: str, keep_snapshot: bool = False) -> None:
+        from engine.chain import SessionNotFound
+
+        try:
+            await self.server.sessions.end(key, keep_snapshot, self.server.write_now)
+        except SessionNotFound:
+            pass
+
+    def mark_dirty(self, key: str) -> None:
+        self.server.mark_dirty(key)
+
+
+async def prepend(first, rest: AsyncIterator):
+    """``first``, then the items of ``rest`` (closed with this generator)."""
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()

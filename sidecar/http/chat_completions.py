@@ -1,0 +1,249 @@
+"""``POST /v1/chat/completions`` on chain sessions.
+
+The request's messages are split into the transcript of an existing session (sidecar.http.
+conversations) and the new messages after it; only those run as the session's next turn, and
+``usage.prompt_tokens_details.cached_tokens`` reports the history whose KV was reused. Replies are
+built with the ``openai`` package's own types (``ChatCompletion``, ``ChatCompletionChunk``), so
+their shape is the SDK's. Streaming is server-sent events: a role chunk, content chunks, one chunk
+per tool call, the finish chunk, then (``stream_options.include_usage``) a usage chunk, then
+``[DONE]``. A client that disconnects mid-stream stops the turn, which is rolled back.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from engine.chain import SessionBusy, TurnIndexMismatch
+from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
+from sidecar.chat import tool_from_json, tools_digest
+from sidecar.http import requests as rq
+from sidecar.http.backend import SessionBackend, prepend
+from sidecar.http.conversations import (FRONT_KEY, TranscriptIndex, chain, prefix_digests, seed_digest,
+                                        session_id_for_key)
+from sidecar.http.errors import from_exception, invalid
+from sidecar.protocol import InvalidRequest, message_dict
+
+FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_TOOL_CALLS: "tool_calls"}
+MAX_MESSAGES = 4096
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+def parse_messages(raw: Any) -> list[pb.Message]:
+    if not isinstance(raw, list) or not raw:
+        raise invalid("messages must be a non-empty list", "messages")
+    if len(raw) > MAX_MESSAGES:
+        raise invalid(f"at most {MAX_MESSAGES} messages", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise invalid(f"{where}.role must be one of {', '.join(ROLES)}", "messages")
+        role = ROLES[m["role"]]
+        msg = pb.Message(role=role, content=rq.text_content(m.get("content"), where, ("text", "refusal")))
+        if isinstance(m.get("name"), str):
+            msg.name = m["name"][:256]
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id", ""), str):
+                raise invalid(f"{where}.tool_call_id must be a string", "messages")
+            msg.tool_call_id = m.get("tool_call_id", "")[:256]
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if calls:
+            if not isinstance(calls, list) or len(calls) > 64:
+                raise invalid(f"{where}.tool_calls must be a list", "messages")
+            for j, c in enumerate(calls):
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                    raise invalid(f"{where}.tool_calls[{j}] needs a function with a name", "messages")
+                call_id = c.get("id") if isinstance(c.get("id"), str) else ""
+                msg.tool_calls.append(pb.ToolCall(id=call_id[:256], name=fn["name"][:128],
+                                                  arguments_json=rq.arguments_object(fn.get("arguments", "{}"),
+                                                                                     f"{where}.tool_calls[{j}]")))
+        out.append(msg)
+    return out
+
+
+class ChatCompletions:
+    def __init__(self, backend: SessionBackend, index: TranscriptIndex | None = None):
+        self.backend = backend
+        self.index = index or TranscriptIndex()
+
+    async def create(self, body: dict, authorization: str | None, session_header: str | None):
+        """The completion (a dict), or an async iterator of SSE lines when ``stream``."""
+        tenant = self.backend.tenant(authorization)
+        model = rq.check_model(body, self.backend.model_name)
+        if body.get("n") not in (None, 1):
+            raise invalid("only n=1 is supported", "n")
+        if body.get("logprobs") or body.get("top_logprobs"):
+            raise invalid("logprobs are not supported", "logprobs")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise invalid("stream must be a boolean", "stream")
+        opts = body.get("stream_options") or {}
+        if not isinstance(opts, dict):
+            raise invalid("stream_options must be an object", "stream_options")
+        messages = parse_messages(body.get("messages"))
+        base = pb.TurnRequest()
+        rq.set_sampling(base, body, ("max_completion_tokens", "max_tokens"))
+        rq.set_tools(base, body.get("tools"), nested=True)
+        rq.set_tool_choice(base, body.get("tool_choice"), nested=True)
+        rq.set_format(base, body.get("response_format"), "response_format", nested=True)
+        rq.set_extension(base, body)
+        key_hint = body.get("prompt_cache_key") or session_header
+        if key_hint is not None and (not isinstance(key_hint, str) or not key_hint or len(key_hint) > 1024):
+            raise invalid("prompt_cache_key must be a non-empty string of at most 1024 characters", "prompt_cache_key")
+        try:
+            dicts = [message_dict(m) for m in messages]
+            tdigest = tools_digest([tool_from_json(t.name, t.description, t.parameters_json) for t in base.tools])
+        except (InvalidRequest, ValueError) as e:
+            raise invalid(str(e)) from None
+        method = json.dumps([base.method, base.budget if base.HasField("budget") else None,
+                             base.budget_ratio if base.HasField("budget_ratio") else None, sorted(base.method_args.items())])
+        digests = prefix_digests(seed_digest(tenant, tdigest, method), dicts)
+        plan = await self._plan(tenant, key_hint, digests, messages)
+        run = _Run(self, authorization, base, plan, messages, digests, dicts, model, bool(opts.get("include_usage")))
+        if stream:
+            events = run.events()
+            first = await anext(events)  # an error before the first token still gets its HTTP status
+            return run.sse(events, first)
+        return await run.whole()
+
+    async def _plan(self, tenant: str, key_hint: str | None, digests: list[bytes], messages: list) -> "_Plan":
+        """Which session this request continues, and from which message on."""
+        b = self.backend
+        if key_hint is not None:
+            sid = session_id_for_key(key_hint)
+            key = b.key(tenant, sid)
+            s = await b.find(key)
+            if s is not None:
+                have = s.front.get(FRONT_KEY)
+                for k in range(len(messages) - 1, 0, -1):
+                    if digests[k].hex() == have:
+                        return _Plan(sid, key, k, s.turn_index, explicit=True)
+                await b.end(key)  # the client changed the history: begin the session again
+            return _Plan(sid, key, 0, None, explicit=True)
+        for k in range(len(messages) - 1, 0, -1):
+            if messages[k - 1].role != "assistant":
+                continue
+            key = self.index.get(digests[k])
+            if key is None:
+                continue
+            s = b.local(key)
+            if s is not None and s.in_engine and not s.busy and s.front.get(FRONT_KEY) == digests[k].hex():
+                return _Plan(key.rsplit("/", 1)[-1], key, k, s.turn_index, explicit=False)
+        sid = "chat-" + uuid.uuid4().hex
+        return _Plan(sid, b.key(tenant, sid), 0, None, explicit=False)
+
+
+class _Plan:
+    def __init__(self, session_id: str, key: str, start: int, turn_index: int | None, explicit: bool):
+        self.session_id, self.key, self.start, self.turn_index, self.explicit = session_id, key, start, turn_index, explicit
+
+
+class _Run:
+    """One request's turn and the reply built from its events."""
+
+    def __init__(self, owner: ChatCompletions, authorization, base, plan, messages, digests, dicts, model, usage_chunk):
+        self.owner, self.authorization, self.base, self.plan = owner, authorization, base, plan
+        self.messages, self.digests, self.dicts, self.model = messages, digests, dicts, model
+        self.usage_chunk = usage_chunk
+        self.id = "chatcmpl-" + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _request(self, plan: _Plan) -> pb.TurnRequest:
+        req = pb.TurnRequest()
+        req.CopyFrom(self.base)
+        req.session_id = plan.session_id
+        req.messages.extend(self.messages[plan.start:])
+        if plan.start:  # a continuation: the tools are the session's
+            del req.tools[:]
+            req.expected_turn_index = plan.turn_index
+        return req
+
+    async def events(self) -> AsyncIterator[pb.TurnEvent]:
+        plan, first = self.plan, True
+        while True:
+            try:
+                async for event in self.owner.backend.turn(self.authorization, self._request(plan)):
+                    first = False
+                    if event.HasField("completion"):
+                        self._remember(plan, event.completion)
+                    yield event
+                return
+            except (SessionBusy, TurnIndexMismatch):
+                if not first or plan.explicit or plan.start == 0:
+                    raise
+                # the matched session moved on or is busy: run this conversation as a new session
+                sid = "chat-" + uuid.uuid4().hex
+                plan = _Plan(sid, plan.key.rsplit("/", 1)[0] + "/" + sid if "/" in plan.key else sid, 0, None, False)
+
+    def _remember(self, plan: _Plan, c: pb.TurnCompletion) -> None:
+        """The session's transcript now ends with this reply (no await here: the snapshot the turn
+        just queued carries it)."""
+        reply = {"role": "assistant", "content": c.text,
+                 "tool_calls": [{"name": t.name, "arguments": json.loads(t.arguments_json or "{}")} for t in c.tool_calls]}
+        digest = chain(self.digests[len(self.messages)], reply)
+        s = self.owner.backend.local(plan.key)
+        if s is not None:
+            s.front[FRONT_KEY] = digest.hex()
+        self.owner.index.put(plan.key, digest)
+
+    async def whole(self) -> dict:
+        completion = None
+        async for event in self.events():
+            if event.HasField("completion"):
+                completion = event.completion
+        c = completion
+        message: dict[str, Any] = {"role": "assistant", "content": c.text if (c.text or not c.tool_calls) else None}
+        if c.tool_calls:
+            message["tool_calls"] = [_tool_call(t) for t in c.tool_calls]
+        out = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+               "choices": [{"index": 0, "message": message, "finish_reason": FINISH.get(c.finish_reason, "stop"),
+                            "logprobs": None}],
+               "usage": _usage(c.usage), "system_fingerprint": None}
+        return ChatCompletion.model_validate(out).model_dump(mode="json", exclude_unset=True)
+
+    async def sse(self, events: AsyncIterator[pb.TurnEvent], first: pb.TurnEvent) -> AsyncIterator[str]:
+        def chunk(choices, usage=None) -> str:
+            body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                    "choices": choices}
+            if usage is not None:
+                body["usage"] = usage
+            data = ChatCompletionChunk.model_validate(body).model_dump(mode="json", exclude_unset=True)
+            return f"data: {json.dumps(data)}\n\n"
+
+        try:
+            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+            n_calls = 0
+            async for event in prepend(first, events):
+                if event.HasField("delta") and event.delta.text:
+                    yield chunk([{"index": 0, "delta": {"content": event.delta.text}, "finish_reason": None}])
+                elif event.HasField("tool_call"):
+                    call = dict(_tool_call(event.tool_call), index=n_calls)
+                    n_calls += 1
+                    yield chunk([{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None}])
+                elif event.HasField("completion"):
+                    c = event.completion
+                    yield chunk([{"index": 0, "delta": {}, "finish_reason": FINISH.get(c.finish_reason, "stop")}])
+                    if self.usage_chunk:
+                        yield chunk([], _usage(c.usage))
+        except Exception as e:  # headers are sent: the error is the stream's last event
+            yield f"data: {json.dumps(from_exception(e).body())}\n\n"
+        finally:
+            await events.aclose()
+        yield "data: [DONE]\n\n"
+
+
+def _tool_call(t: pb.ToolCall) -> dict:
+    return {"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments_json or "{}"}}
+
+
+def _usage(u: pb.Usage) -> dict:
+    prompt = max(0, u.history_tokens - u.generated_tokens)
+    return {"prompt_tokens": prompt, "completion_tokens": u.generated_tokens,
+            "total_tokens": prompt + u.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.reused_tokens}}

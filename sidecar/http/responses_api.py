@@ -1,0 +1,324 @@
+"""``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}`` on chain sessions.
+
+Every response belongs to a session. A response id names its session
+(``resp_<base64url(session id)>.<nonce>``), so it resolves on any replica: the session is loaded
+from the store when it is not here, and its stored responses (the last ``MAX_STORED``, kept in
+``Session.front``, written with its snapshot) answer ``GET``. ``previous_response_id`` continues
+the session when it names the session's latest response (only the new input items are prefilled);
+``conversation`` names the session itself (created on first use). ``store: false`` keeps no record,
+and a response with neither ``previous_response_id`` nor ``conversation`` then ends its session.
+Function tools and ``function_call_output`` items map onto the session's tools and tool messages;
+``text.format`` json_schema and forced ``tool_choice`` decode under a grammar. Streaming emits the
+Responses API's events (created, in_progress, output_item.added, content_part.added,
+output_text.delta ..., function_call_arguments.delta/done, output_item.done, completed or
+incomplete), every one validated against the ``openai`` package's event types.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
+from sidecar.http import requests as rq
+from sidecar.http.backend import SessionBackend, prepend
+from sidecar.http.errors import OpenAIError, from_exception, invalid
+from sidecar.sessions import BadSessionId, check_id
+
+MAX_STORED = 32
+"""Responses kept per session for GET (the oldest are dropped)."""
+_EVENT = TypeAdapter(ResponseStreamEvent)
+
+
+def response_id(session_id: str) -> str:
+    sid = base64.urlsafe_b64encode(session_id.encode()).decode().rstrip("=")
+    return f"resp_{sid}.{uuid.uuid4().hex[:16]}"
+
+
+def session_of(resp_id: Any) -> str:
+    """The session id a response id names (404 for anything that is not one)."""
+    try:
+        if not isinstance(resp_id, str) or not resp_id.startswith("resp_") or "." not in resp_id or len(resp_id) > 400:
+            raise ValueError
+        b64 = resp_id[5:].rsplit(".", 1)[0]
+        sid = base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).decode()
+        return check_id(sid)
+    except (ValueError, binascii.Error, UnicodeDecodeError, BadSessionId):
+        raise OpenAIError(404, f"No response found with id {str(resp_id)[:200]!r}", "invalid_request_error",
+                          "response_id", "response_not_found") from None
+
+
+def parse_input(raw: Any, instructions: str | None) -> list[pb.Message]:
+    items = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
+    if not isinstance(items, list) or not items or len(items) > 4096:
+        raise invalid("input must be a string or a non-empty list of at most 4096 items", "input")
+    out: list[pb.Message] = [pb.Message(role="system", content=instructions)] if instructions else []
+    for i, it in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(it, dict):
+            raise invalid(f"{where} must be an object", "input")
+        kind = it.get("type", "message")
+        if kind == "message":
+            role = {"developer": "system"}.get(it.get("role"), it.get("role"))
+            if role not in ("system", "user", "assistant"):
+                raise invalid(f"{where}.role must be user, system, developer or assistant", "input")
+            text = rq.text_content(it.get("content"), where, ("input_text", "output_text", "text", "refusal"))
+            out.append(pb.Message(role=role, content=text))
+        elif kind == "function_call":
+            name, call_id = it.get("name"), it.get("call_id", "")
+            if not isinstance(name, str) or not name or not isinstance(call_id, str):
+                raise invalid(f"{where}: a function_call needs a name and a call_id", "input")
+            call = pb.ToolCall(id=call_id[:256], name=name[:128],
+                               arguments_json=rq.arguments_object(it.get("arguments", "{}"), where))
+            if out and out[-1].role == "assistant":
+                out[-1].tool_calls.append(call)
+            else:
+                out.append(pb.Message(role="assistant", tool_calls=[call]))
+        elif kind == "function_call_output":
+            call_id, output = it.get("call_id", ""), it.get("output")
+            if not isinstance(call_id, str):
+                raise invalid(f"{where}.call_id must be a string", "input")
+            text = output if isinstance(output, str) else rq.text_content(output, where, ("input_text", "output_text"))
+            out.append(pb.Message(role="tool", content=text, tool_call_id=call_id[:256]))
+        else:
+            raise invalid(f"{where}: input items of type {str(kind)[:50]!r} are not supported", "input")
+    return out
+
+
+class Responses:
+    def __init__(self, backend: SessionBackend):
+        self.backend = backend
+
+    # --- create -------------------------------------------------------------------------------------
+    async def create(self, body: dict, authorization: str | None):
+        b = self.backend
+        tenant = b.tenant(authorization)
+        model = rq.check_model(body, b.model_name)
+        stream, store = body.get("stream", False), body.get("store", True)
+        if not isinstance(stream, bool) or not isinstance(store, bool):
+            raise invalid("stream and store must be booleans")
+        instructions = body.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise invalid("instructions must be a string", "instructions")
+        metadata = body.get("metadata") or {}
+        if not isinstance(metadata, dict) or len(metadata) > 16 or not all(
+                isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in metadata.items()):
+            raise invalid("metadata must map at most 16 short strings to strings", "metadata")
+        req = pb.TurnRequest()
+        rq.set_sampling(req, body, ("max_output_tokens",))
+        rq.set_tools(req, body.get("tools"), nested=False)
+        rq.set_tool_choice(req, body.get("tool_choice"), nested=False)
+        text_opts = body.get("text") or {}
+        if not isinstance(text_opts, dict):
+            raise invalid("text must be an object", "text")
+        rq.set_format(req, text_opts.get("format"), "text.format", nested=False)
+        rq.set_extension(req, body)
+        prev, conv = body.get("previous_response_id"), body.get("conversation")
+        if prev is not None and conv is not None:
+            raise invalid("previous_response_id and conversation cannot both be given", "conversation")
+        conv_id = conv.get("id") if isinstance(conv, dict) else conv
+        session_new = False
+        if prev is not None:
+            sid = session_of(prev)
+            s = await b.find(b.key(tenant, sid))
+            if s is None or prev not in s.front.get("responses", {}):
+                raise OpenAIError(404, f"No response found with id {prev[:200]!r}", "invalid_request_error",
+                                  "previous_response_id", "response_not_found")
+            if s.front.get("latest_response") != prev:
+                raise invalid("previous_response_id must be the latest response of its conversation (branching "
+                              "from an earlier response is not supported)", "previous_response_id")
+            req.expected_turn_index = s.turn_index
+        elif conv_id is not None:
+            try:
+                sid = check_id(conv_id if isinstance(conv_id, str) else "", "conversation")
+            except BadSessionId as e:
+                raise invalid(str(e), "conversation") from None
+            s = await b.find(b.key(tenant, sid))
+            session_new = s is None
+        else:
+            sid, session_new = "resp-" + uuid.uuid4().hex, True
+        req.session_id = sid
+        req.messages.extend(parse_input(body.get("input"), instructions if session_new else None))
+        key = b.key(tenant, sid)
+        echo = {"model": model, "instructions": instructions, "metadata": metadata, "previous_response_id": prev,
+                "conversation": {"id": sid} if conv_id is not None else None, "store": store,
+                "temperature": req.temperature if req.HasField("temperature") else 1.0,
+                "top_p": req.top_p if req.HasField("top_p") else 1.0,
+                "max_output_tokens": req.max_tokens if req.HasField("max_tokens") else None,
+                "tools": [_tool_echo(t) for t in req.tools], "tool_choice": _choice_echo(req.tool_choice),
+                "text": {"format": text_opts.get("format") or {"type": "text"}}, "parallel_tool_calls": False}
+        run = _Run(self, authorization, req, key, echo, ephemeral=not store and prev is None and conv_id is None)
+        turn = b.turn(authorization, req)
+        if stream:
+            try:
+                first = await anext(turn)  # an error before the first token still gets its HTTP status
+            except BaseException:
+                await run.finish()
+                raise
+            return run.sse(prepend(first, turn))
+        return await run.whole(turn)
+
+    # --- GET / DELETE -------------------------------------------------------------------------------
+    async def _stored(self, resp_id: str, authorization: str | None):
+        b = self.backend
+        tenant = b.tenant(authorization)
+        key = b.key(tenant, session_of(resp_id))
+        s = await b.find(key)
+        record = None if s is None else s.front.get("responses", {}).get(resp_id)
+        if record is None:
+            raise OpenAIError(404, f"No response found with id {resp_id[:200]!r}", "invalid_request_error",
+                              "response_id", "response_not_found")
+        return key, s, record
+
+    async def get(self, resp_id: str, authorization: str | None) -> dict:
+        return (await self._stored(resp_id, authorization))[2]
+
+    async def delete(self, resp_id: str, authorization: str | None) -> dict:
+        key, s, _ = await self._stored(resp_id, authorization)
+        s.front["responses"].pop(resp_id, None)
+        if s.front.get("latest_response") == resp_id:
+            s.front["latest_response"] = None
+        self.backend.mark_dirty(key)
+        return {"id": resp_id, "object": "response.deleted", "deleted": True}
+
+
+class _Run:
+    def __init__(self, owner: Responses, authorization, req: pb.TurnRequest, key: str, echo: dict, ephemeral: bool):
+        self.owner, self.authorization, self.req, self.key, self.echo = owner, authorization, req, key, echo
+        self.ephemeral = ephemeral
+        self.id = response_id(req.session_id)
+        self.created = time.time()
+        self.output: list[dict] = []
+        self.seq = 0
+        self.final: dict | None = None
+
+    def response(self, status: str, completion: pb.TurnCompletion | None = None) -> dict:
+        body = dict(self.echo, id=self.id, object="response", created_at=self.created, status=status,
+                    output=self.output, error=None, incomplete_details=None, usage=None)
+        if completion is not None:
+            u = completion.usage
+            prompt = max(0, u.history_tokens - u.generated_tokens)
+            body["usage"] = {"input_tokens": prompt,
+                             "input_tokens_details": {"cached_tokens": u.reused_tokens, "cache_write_tokens": 0},
+                             "output_tokens": u.generated_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                             "total_tokens": prompt + u.generated_tokens}
+            if completion.finish_reason == pb.FINISH_REASON_LENGTH:
+                body["incomplete_details"] = {"reason": "max_output_tokens"}
+        return Response.model_validate(body).model_dump(mode="json", exclude_none=False)
+
+    def event(self, kind: str, **fields) -> str:
+        data = _EVENT.validate_python(dict(fields, type=kind, sequence_number=self.seq))
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data.model_dump(mode='json'))}\n\n"
+
+    async def _events(self, turn: AsyncIterator[pb.TurnEvent]) -> AsyncIterator[str]:
+        """SSE text of the Responses API's events, while the output items are built."""
+        yield self.event("response.created", response=self.response("in_progress"))
+        yield self.event("response.in_progress", response=self.response("in_progress"))
+        message: dict | None = None
+        async for ev in turn:
+            if ev.HasField("delta") and ev.delta.text:
+                if message is None:
+                    message = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant",
+                               "status": "in_progress", "content": []}
+                    yield self.event("response.output_item.added", output_index=len(self.output), item=dict(message))
+                    self.output.append(message)
+                    yield self.event("response.content_part.added", item_id=message["id"], output_index=len(self.output) - 1,
+                                     content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                    message["content"] = [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]
+                message["content"][0]["text"] += ev.delta.text
+                yield self.event("response.output_text.delta", item_id=message["id"], output_index=len(self.output) - 1,
+                                 content_index=0, delta=ev.delta.text, logprobs=[])
+            elif ev.HasField("tool_call"):
+                for e in self._close(message):
+                    yield e
+                message = None
+                t = ev.tool_call
+                item = {"id": "fc_" + uuid.uuid4().hex, "type": "function_call", "call_id": t.id, "name": t.name,
+                        "arguments": "", "status": "in_progress"}
+                yield self.event("response.output_item.added", output_index=len(self.output), item=dict(item))
+                self.output.append(item)
+                idx = len(self.output) - 1
+                yield self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
+                                 delta=t.arguments_json or "{}")
+                item.update(arguments=t.arguments_json or "{}", status="completed")
+                yield self.event("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                                 arguments=item["arguments"], name=t.name)
+                yield self.event("response.output_item.done", output_index=idx, item=dict(item))
+            elif ev.HasField("completion"):
+                for e in self._close(message):
+                    yield e
+                c = ev.completion
+                status = "incomplete" if c.finish_reason == pb.FINISH_REASON_LENGTH else "completed"
+                self.final = self.response(status, c)
+                self._record(self.final)
+                yield self.event(f"response.{status}", response=self.final)
+
+    def _close(self, message: dict | None):
+        if message is None:
+            return []
+        idx = self.output.index(message)
+        part = message["content"][0]
+        message["status"] = "completed"
+        return [self.event("response.output_text.done", item_id=message["id"], output_index=idx, content_index=0,
+                           text=part["text"], logprobs=[]),
+                self.event("response.content_part.done", item_id=message["id"], output_index=idx, content_index=0,
+                           part={"type": "output_text", "text": part["text"], "annotations": []}),
+                self.event("response.output_item.done", output_index=idx, item=dict(message))]
+
+    def _record(self, final: dict) -> None:
+        """Keep the response with its session (no await: the snapshot the turn just queued carries it)."""
+        s = self.owner.backend.local(self.key)
+        if s is None:
+            return
+        stored = s.front.setdefault("responses", {})
+        if self.echo["store"]:
+            stored[self.id] = final
+            while len(stored) > MAX_STORED:
+                stored.pop(next(iter(stored)))
+            s.front["latest_response"] = self.id
+        else:
+            s.front["latest_response"] = None
+
+    async def finish(self) -> None:
+        if self.ephemeral:
+            await self.owner.backend.end(self.key)
+
+    async def whole(self, turn: AsyncIterator[pb.TurnEvent]) -> dict:
+        try:
+            async for _ in self._events(turn):
+                pass
+        finally:
+            await self.finish()
+        return self.final
+
+    async def sse(self, turn: AsyncIterator[pb.TurnEvent]) -> AsyncIterator[str]:
+        try:
+            async for text in self._events(turn):
+                yield text
+        except Exception as e:  # headers are sent: a failed event ends the stream
+            err = from_exception(e)
+            code = "server_error" if err.status >= 500 else "invalid_prompt"
+            failed = dict(self.response("in_progress"), status="failed", error={"code": code, "message": err.message})
+            yield self.event("response.failed", response=failed)
+        finally:
+            await turn.aclose()
+            await self.finish()
+
+
+def _tool_echo(t: pb.Tool) -> dict:
+    return {"type": "function", "name": t.name, "description": t.description or None,
+            "parameters": json.loads(t.parameters_json) if t.parameters_json else None, "strict": False}
+
+
+def _choice_echo(c: pb.ToolChoice):
+    if c.mode == "function":
+        return {"type": "function", "name": c.function_name}
+    return c.mode or "auto"

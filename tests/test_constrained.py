@@ -1,0 +1,195 @@
+"""Structured output by grammar-constrained decoding (engine/constrained.py) on a tiny random model:
+whatever the (random) logits, the reply parses and validates against the schema."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jsonschema
+import pytest
+
+from engine.config import EngineConfig
+from engine.constrained import Constraint, ConstraintError
+from engine.llm import LLMEngine
+from engine.sampling import SamplingError, SamplingParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "color": {"enum": ["red", "green", "blue"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+    },
+    "required": ["ok", "color", "n", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_chat_dir):
+    return LLMEngine(EngineConfig(model=tiny_chat_dir, num_pages=4000, prefill_chunk_size=64, max_model_len=1024))
+
+
+def _prompt(engine, text):
+    return engine.apply_chat_template([{"role": "user", "content": text}])
+
+
+def test_json_schema_output_validates_greedy_and_sampled(engine):
+    c = Constraint.json_schema(SCHEMA)
+    prompts = [_prompt(engine, f"question {i}") for i in range(4)]
+    params = [SamplingParams(max_tokens=300, temperature=t, seed=i, constraint=c)
+              for i, t in enumerate([0, 0.7, 1.3, 2.0])]
+    outs = engine.generate(prompts, params)
+    for o in outs:
+        assert o.finish_reason == "stop", o.text
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+    # the same request without the constraint is not JSON (a random model)
+    free = engine.generate([prompts[0]], SamplingParams(max_tokens=40))[0]
+    with pytest.raises(ValueError):
+        json.loads(free.text)
+
+
+def test_json_object_and_affixes(engine):
+    c = Constraint("json_object", prefix="<tool_call>\n", suffix="\n</tool_call>")
+    o = engine.generate([_prompt(engine, "call it")], SamplingParams(max_tokens=400, temperature=0.8, seed=3,
+                                                                    constraint=c))[0]
+    if o.finish_reason == "stop":  # a random model may nest objects past max_tokens
+        assert o.text.startswith("<tool_call>\n") and o.text.endswith("\n</tool_call>")
+        assert isinstance(json.loads(o.text[len("<tool_call>\n"): -len("\n</tool_call>")]), dict)
+    else:
+        assert o.text.startswith("<tool_call>\n{")
+
+
+def test_regex_constraint_and_session_turns(engine):
+    c = Constraint("regex", r"(yes|no), [0-9]{1,3}")
+    sid = "constrained-session"
+    engine.add_turn(sid, _prompt(engine, "answer"), SamplingParams(max_tokens=20, constraint=c))
+    first = _drain(engine, sid)
+    assert first.finish_reason == "stop"
+    assert first.text.split(", ")[0] in ("yes", "no") and first.text.split(", ")[1].isdigit()
+    # the next turn of the same session is free again, then constrained again
+    more = engine.encode("<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n")
+    engine.add_turn(sid, more, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(_drain(engine, sid).token_ids) == 8
+    engine.add_turn(sid, more, SamplingParams(max_tokens=20, temperature=1.0, seed=5, constraint=c))
+    third = _drain(engine, sid)
+    assert third.finish_reason == "stop" and third.text.split(", ")[0] in ("yes", "no")
+    engine.end_session(sid)
+
+
+def test_constrained_and_free_rows_share_a_batch(engine):
+    """A constrained sequence beside free ones: each free row's tokens are those it gets alone."""
+    free_params = SamplingParams(max_tokens=10, ignore_eos=True)
+    p_free = _prompt(engine, "free text")
+    alone = engine.generate([p_free], free_params)[0].token_ids
+    outs = engine.generate([p_free, _prompt(engine, "json")],
+                           [free_params, SamplingParams(max_tokens=300, constraint=Constraint.json_schema(SCHEMA))])
+    assert outs[0].token_ids == alone
+    jsonschema.validate(json.loads(outs[1].text), SCHEMA)
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: Constraint("xml", "<a/>"),
+    lambda: Constraint("json_schema", ""),
+    lambda: Constraint("json_schema", "{not json"),
+    lambda: Constraint("json_schema", "[1, 2]"),
+    lambda: Constraint("json_schema", "{" * 5000 + "}" * 5000),
+    lambda: Constraint.json_schema(_deep(100)),
+    lambda: Constraint("regex", "x" * (300 * 1024)),
+    lambda: Constraint("json_object", prefix="p" * 1000),
+])
+def test_hostile_constraints_are_refused(bad):
+    with pytest.raises(ConstraintError):
+        bad()
+
+
+def test_uncompilable_constraints_are_refused_by_the_engine(engine):
+    for c in [Constraint("regex", "(unclosed"), Constraint("grammar", "root ::= ("),
+              Constraint.json_schema({"type": "no-such-type"})]:
+        with pytest.raises(ConstraintError):
+            engine.add_request(_prompt(engine, "x"), SamplingParams(constraint=c))
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -1.0])
+def test_non_finite_sampling_values_are_refused(value):
+    with pytest.raises(SamplingError):
+        SamplingParams(temperature=value)
+    with pytest.raises(SamplingError):
+        SamplingParams(top_p=value)
+
+
+def _deep(n):
+    schema: dict = {"type": "string"}
+    for _ in range(n):
+        schema = {"type": "object", "properties": {"x": schema}}
+    return schema
+
+
+def _drain(engine, sid):
+    last = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == sid and o.finished:
+                last = o
+    return last
+
+
+PROMPTS = [
+    "Describe a cat.", "What is 2+2?", "Name a color.", "Is the sky green?", "Rate the movie Alien.",
+    "Give me a fruit.", "Tell me about Paris.", "How many legs has a spider?", "Pick a random word.",
+    "Is water wet?", "What is the capital of Japan?", "Summarize: the quick brown fox.", "Say hello.",
+    "Recommend a book.", "What day follows Monday?", "Describe the ocean.", "Is 7 prime?",
+    "Name an animal that flies.", "What is your favourite number?", "Translate 'chat' from French.",
+]
+REVIEW = {"type": "object",
+          "properties": {"topic": {"type": "string", "maxLength": 40},
+                         "sentiment": {"enum": ["positive", "neutral", "negative"]},
+                         "score": {"type": "integer", "minimum": 1, "maximum": 10},
+                         "facts": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 3}},
+          "required": ["topic", "sentiment", "score", "facts"], "additionalProperties": False}
+
+
+@pytest.mark.slow
+def test_smollm2_json_schema_on_twenty_prompts(smol_engine):
+    c = Constraint.json_schema(REVIEW)
+    prompts = [_prompt(smol_engine, p + " Answer in JSON.") for p in PROMPTS]
+    params = [SamplingParams(max_tokens=160, temperature=0.0 if i % 2 else 0.7, seed=i, constraint=c)
+              for i in range(len(PROMPTS))]
+    outs = list(smol_engine.generate(prompts, params))
+    for o in outs:  # the guarantee: the reply matches unless max_tokens cut it short
+        assert o.finish_reason in ("stop", "length"), o.finish_reason
+        if o.finish_reason == "stop":
+            jsonschema.validate(json.loads(o.text), REVIEW)
+    # a sampled reply may spend its 160 tokens inside 40-character strings (emoji are several tokens each)
+    assert sum(o.finish_reason == "stop" for o in outs) >= 16, [o.text for o in outs if o.finish_reason != "stop"]
+
+
+@pytest.mark.slow
+def test_smollm2_forced_tool_calls_are_well_formed(smol_engine):
+    from sidecar.chat import ChatRenderer, ToolSpec
+    from sidecar.structured import tool_call_constraint
+    from sidecar.tool_calls import ToolCallParser
+
+    tools = [ToolSpec("get_weather", "Current weather in a city",
+                      {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                        "unit": {"enum": ["celsius", "fahrenheit"]}},
+                       "required": ["city", "unit"]}),
+             ToolSpec("calculator", "Evaluate arithmetic",
+                      {"type": "object", "properties": {"expression": {"type": "string", "maxLength": 40}},
+                       "required": ["expression"]})]
+    renderer = ChatRenderer(smol_engine.tokenizer, smol_engine.eos_token_ids)
+    questions = PROMPTS[:6]
+    prompts = [renderer.first_turn([{"role": "user", "content": q}], tools).token_ids for q in questions]
+    c = tool_call_constraint(tools)
+    outs = smol_engine.generate(prompts, [SamplingParams(max_tokens=90, temperature=0.5, seed=i, constraint=c)
+                                          for i in range(len(prompts))])
+    for o in outs:
+        parser = ToolCallParser()
+        events = parser.feed(o.text) + parser.finish()
+        calls = [v for k, v in events if k == "tool_call"]
+        assert o.finish_reason == "stop" and len(calls) == 1, o.text
+        schema = next(t.parameters for t in tools if t.name == calls[0].name)
+        jsonschema.validate(json.loads(calls[0].arguments_json), schema)

@@ -1,0 +1,150 @@
+"""One request must not stop the engine, nor learn about another tenant's prompts (issue 18, classes 4-5),
+on a tiny random model:
+
+* every sampling field is validated (hypothesis tries NaN, infinities, denormals, huge and negative values,
+  bools): a value is either refused with SamplingError or samples a valid token;
+* a failure injected into one sequence's sampling fails that request alone (finish "failed", its turn
+  rolled back) while the other sessions in the batch finish exactly as they would alone, and the failed
+  session takes its next turn;
+* prefix sharing is partitioned by scope (the tenant): a session reuses a prefix of its own scope only;
+  an explicitly public prefix is shared.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import engine.sampling as sampling
+from engine.config import EngineConfig
+from engine.llm import LLMEngine
+from engine.sampling import SamplingError, SamplingParams, sample
+
+from tests.conftest import run_turn
+
+_FLOATS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(
+    [0.0, -0.0, 1e-300, 1e-40, 5e-324, 1e-5, 1e-4, 1e300, -1.0, float("nan"), float("inf"), -float("inf"), 100.0, 100.1]),
+    st.booleans(), st.integers(-2**70, 2**70))
+_INTS = st.one_of(st.integers(-2**70, 2**70), st.booleans(), st.floats(allow_nan=True))
+
+
+@settings(max_examples=400, deadline=None)
+@given(temperature=_FLOATS, top_p=_FLOATS, top_k=_INTS, seed=st.one_of(st.none(), _INTS),
+       big=st.sampled_from([1.0, 1e4, 1e30, 3e38]))
+def test_sampling_fields_are_refused_or_sample_a_valid_token(temperature, top_p, top_k, seed, big):
+    try:
+        p = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    except SamplingError:
+        return
+    assert math.isfinite(p.temperature) and 0 <= p.temperature <= 100 and 0 < p.top_p <= 1
+    V = 50
+    logits = torch.randn(2, V) * big
+    logits[1, 3] = float("inf")  # a damaged row as well
+    gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+    tokens, errors = sample(logits, [p, p], [gen, gen])
+    assert errors[0] is None and 0 <= tokens[0] < V
+
+
+@pytest.mark.parametrize("stop", [["x" * 257], ["a"] * 17, [""], ["ok", 5]])
+def test_stop_strings_are_bounded(stop):
+    with pytest.raises(SamplingError):
+        SamplingParams(stop=stop)
+
+
+def test_a_row_without_a_finite_logit_fails_alone():
+    logits = torch.randn(3, 20)
+    logits[1] = float("nan")
+    p = SamplingParams(temperature=0.7, seed=1)
+    tokens, errors = sample(logits, [p, p, p], [torch.Generator().manual_seed(i) for i in range(3)])
+    assert errors[1] and tokens[1] is None
+    assert errors[0] is None and errors[2] is None and tokens[0] is not None and tokens[2] is not None
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_config(tiny_models):
+    folder, _ = tiny_models("llama")
+    return EngineConfig(model=folder, num_pages=800, prefill_chunk_size=32, page_size=16)
+
+
+def _run_together(eng: LLMEngine, turns: dict[str, tuple[list[int], SamplingParams]]) -> dict:
+    for sid, (tokens, params) in turns.items():
+        eng.add_turn(sid, tokens, params)
+    done = {}
+    while len(done) < len(turns):
+        assert eng.has_unfinished()
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def test_a_failure_in_one_sequences_sampling_leaves_the_others_running(tiny_engine_config, monkeypatch):
+    prompts = {f"s{i}": list(range(10 + i, 40 + i)) for i in range(4)}
+    params = {sid: SamplingParams(max_tokens=8, temperature=0.8, seed=100 + i) for i, sid in enumerate(prompts)}
+    params["s2"] = SamplingParams(max_tokens=8, temperature=0.8, seed=666)  # the one that will fail
+
+    alone = {}
+    for sid, toks in prompts.items():
+        if sid != "s2":
+            eng = LLMEngine(tiny_engine_config)
+            alone[sid] = run_turn(eng, sid, toks, params[sid]).token_ids
+
+    real = sampling.sample_row
+
+    def faulty(row, p, gen):
+        if p.seed == 666:
+            raise RuntimeError("injected: probability tensor contains either inf, nan or element < 0")
+        return real(row, p, gen)
+
+    eng = LLMEngine(tiny_engine_config)
+    monkeypatch.setattr(sampling, "sample_row", faulty)
+    outs = _run_together(eng, {sid: (toks, params[sid]) for sid, toks in prompts.items()})
+    assert outs["s2"].finish_reason == "failed" and "injected" in outs["s2"].error
+    for sid in alone:
+        assert outs[sid].finish_reason in ("stop", "length") and outs[sid].token_ids == alone[sid]
+    # the failed turn was rolled back; the session (and the engine) go on
+    assert eng.session_info("s2")["turn_index"] == 0
+    monkeypatch.setattr(sampling, "sample_row", real)
+    again = run_turn(eng, "s2", prompts["s2"], SamplingParams(max_tokens=4, temperature=0.8, seed=7))
+    assert again.finish_reason in ("stop", "length") and len(again.token_ids) >= 1
+    assert eng.stats()["pages_free"] >= 0 and eng.totals["finished_failed"] == 1
+
+
+def test_a_failure_processing_one_sequences_token_fails_it_alone(tiny_engine_config, monkeypatch):
+    eng = LLMEngine(tiny_engine_config)
+    real = eng.loop._append_token
+
+    def faulty(seq, token, now, at=None):
+        if seq.seq_id == "bad":
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return real(seq, token, now, at=at)
+
+    monkeypatch.setattr(eng.loop, "_append_token", faulty)
+    outs = _run_together(eng, {"bad": (list(range(5, 30)), SamplingParams(max_tokens=4)),
+                               "good": (list(range(7, 33)), SamplingParams(max_tokens=4))})
+    assert outs["bad"].finish_reason == "failed" and outs["good"].finish_reason in ("stop", "length")
+
+
+def test_prefix_sharing_stays_within_its_scope(tiny_engine_config):
+    eng = LLMEngine(tiny_engine_config)
+    system = list(range(100, 100 + 64))  # four full pages a session may share
+    q = lambda i: system + list(range(300 + i, 310 + i))  # noqa: E731
+    p = SamplingParams(max_tokens=2)
+    first = run_turn(eng, "a1", q(0), p, shared_prefix=64, prefix_scope="tenant:alpha")
+    assert first.counters.reused_tokens == 0
+    # tenant beta sending alpha's exact prompt reuses nothing: no hint that alpha sent it
+    guess = run_turn(eng, "b1", q(1), p, shared_prefix=64, prefix_scope="tenant:beta")
+    assert guess.counters.reused_tokens == 0
+    # alpha's own next session shares it
+    own = run_turn(eng, "a2", q(2), p, shared_prefix=64, prefix_scope="tenant:alpha")
+    assert own.counters.reused_tokens == 64
+    # a public prefix is shared by whoever marks it public
+    run_turn(eng, "pub1", q(3), p, shared_prefix=64, prefix_scope="")
+    shared = run_turn(eng, "pub2", q(4), p, shared_prefix=64, prefix_scope="")
+    assert shared.counters.reused_tokens == 64
+    # and the same tokens as tenant beta's (second) session now reuse beta's own holder only
+    assert run_turn(eng, "b2", q(5), p, shared_prefix=64, prefix_scope="tenant:beta").counters.reused_tokens == 64
