@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.llm import LLMEngine
 from engine.sampling import SamplingParams
 
-from conftest import run_turn
+from tests.conftest import run_turn
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
