@@ -129,7 +129,6 @@ class EngineConfig:
 
     @classmethod
     def from_yaml(cls, path: str) -> "EngineConfig":
-        import yaml
 
         values = load_yaml(path)
         if not isinstance(values, dict):
