@@ -134,7 +134,6 @@ class EngineConfig:
 
     @classmethod
     def from_yaml(cls, path: str) -> "EngineConfig":
-        import yaml
 
         values = load_yaml(path)
         if not isinstance(values, dict):
