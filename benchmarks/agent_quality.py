@@ -257,6 +257,10 @@ def main(argv: list[str] | None = None) -> dict:
             encoded[key], refs[key] = enc, (scores, histories, starts, final)
             result["rows"].append({"config": "reprefill", "family": key[0], "size": key[1].label, **t, "agreement": 1.0,
                                    "kv_fraction": None, "mean_final_tokens": sum(final) / len(final)})
+    if not encoded:
+        save()
+        raise SystemExit(f"calibration dropped every size (dense re-prefill under {args.calibrate}): "
+                         "lower --calibrate or pick another --size; calibration saved to " + str(out_path))
     longest = max((max(r[3]) for r in refs.values()), default=0)
     if 2 * longest + 64 > engine.max_model_len:
         raise SystemExit(f"sessions reach {longest} tokens: give --max-model-len >= {2 * longest + 64} (kvzip's pass)")

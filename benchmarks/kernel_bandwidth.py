@@ -68,7 +68,7 @@ def bench_paged(B, ctx, H, G, D, P, variant, sms, sets=2):
         run()
     ms = time_ms(run)
     nbytes = 2 * B * H * ctx * D * 2 + q.numel() * 2
-    del pools
+    pools.clear()
     return ms, nbytes, splits
 
 

@@ -30,6 +30,9 @@ class EngineConfig:
     seed: int = 0
     """Seed for requests that sample without a seed of their own."""
 
+    tensor_parallel_size: int = 1
+    """Ranks (one process, one GPU each) the model and its kv-heads are split over (engine/distributed)."""
+
     # --- KV cache ------------------------------------------------------------------------------
     page_size: int = 16
     """Tokens per page. A page holds one kv-head of one layer (head-granular)."""
@@ -94,6 +97,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
         _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), f"device must be auto, cpu or cuda[:N], not {self.device!r}")
+        _check(isinstance(self.tensor_parallel_size, int) and 1 <= self.tensor_parallel_size <= 64,
+               f"tensor_parallel_size must be an integer in [1, 64], not {self.tensor_parallel_size!r}")
         _check(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0, f"page_size must be a power of two, not {self.page_size}")
         _check(self.num_pages is None or self.num_pages >= 1, f"num_pages must be >= 1, not {self.num_pages}")
         _check(self.kv_cache_gb is None or self.kv_cache_gb > 0, f"kv_cache_gb must be > 0, not {self.kv_cache_gb}")
@@ -129,7 +134,6 @@ class EngineConfig:
 
     @classmethod
     def from_yaml(cls, path: str) -> "EngineConfig":
-        import yaml
 
         values = load_yaml(path)
         if not isinstance(values, dict):

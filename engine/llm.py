@@ -26,6 +26,9 @@ from engine.config import EngineConfig
 from engine.constrained import GrammarBackend
 from engine.controller import SparseController
 from engine.lifecycle import MethodSpec, ModelShape, SeqInfo
+from engine.distributed.layers import TensorParallelLlama
+from engine.distributed.sharding import shard_layout
+from engine.distributed.snapshots import for_rank as snapshot_for_rank
 from engine.methods import get_method_class
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import ModelConfig, load_hf_config, load_tokenizer, parse_hf_config, read_safetensors, resolve_model_dir
@@ -64,25 +67,33 @@ class LLMEngine:
             self.max_model_len = mc.sliding_window
         self.tokenizer = load_tokenizer(self.model_dir)
 
-        self.model = LlamaForCausalLM.create(mc, self.hf_config, self.max_model_len, self.dtype, self.device)
+        self.shard = shard_layout(config, mc)
+        """This rank's part of the model at tensor_parallel_size > 1 (engine/distributed); None: all of it."""
+        if self.shard is None:
+            self.model = LlamaForCausalLM.create(mc, self.hf_config, self.max_model_len, self.dtype, self.device)
+        else:
+            self.model = TensorParallelLlama.create_shard(mc, self.shard, self.hf_config, self.max_model_len,
+                                                          self.dtype, self.device)
+        num_heads, num_kv_heads = (mc.num_heads, mc.num_kv_heads) if self.shard is None else \
+            (self.shard.num_heads, self.shard.num_kv_heads)  # a rank caches only its own kv-heads
         if random_weights:
             self.model.init_random(seed=config.seed)
         else:
             self.model.load_weights(read_safetensors(self.model_dir))
         self.model.eval()
 
-        self.shape = ModelShape(num_layers=mc.num_layers, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
+        self.shape = ModelShape(num_layers=mc.num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                 head_dim=mc.head_dim, page_size=config.page_size,
                                 rope_cos=self.model.rope_cos, rope_sin=self.model.rope_sin, device=self.device)
         slots = config.max_cached_seqs or 4 * config.max_num_seqs
         # the pool stores pages in the layout the configured method declares (plain, fp8, kivi, ...)
         layout = get_method_class(config.method)(self.default_spec, self.shape).kv_layout()
         fmt = make_format(layout.format, layout.args, config.page_size, mc.head_dim, self.dtype)
-        max_open = staging_pages(fmt, slots, mc.num_layers, mc.num_kv_heads)
-        pages = num_pages(config, fmt, max_open, mc.num_layers, mc.num_kv_heads, self.device)
+        max_open = staging_pages(fmt, slots, mc.num_layers, num_kv_heads)
+        pages = num_pages(config, fmt, max_open, mc.num_layers, num_kv_heads, self.device)
         self.pool = PagePool(pages, config.page_size, mc.head_dim, self.dtype, self.device, format=fmt,
                              max_open_pages=max_open)
-        self.manager = CacheManager(self.pool, mc.num_layers, mc.num_kv_heads, slots, self.max_model_len)
+        self.manager = CacheManager(self.pool, mc.num_layers, num_kv_heads, slots, self.max_model_len)
         self.controller = SparseController(self.shape, self.manager)
         self.controller.method_for(self.default_spec)  # a bad method setting fails here, not on the first request
         self.requests = RequestFactory(vocab_size=mc.vocab_size, max_model_len=self.max_model_len,
@@ -93,7 +104,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.manager, self.controller, reclaimer=self.chains.tiers)
         self.backend = attention_backend(config.attention_backend, self.device)
         graphs = None
-        if self.device.type == "cuda" and config.cuda_graphs and self.backend.name == "triton" and fmt.plain:
+        graphs_ok = config.cuda_graphs and self.shard is None  # TP ranks decode eagerly
+        if self.device.type == "cuda" and graphs_ok and self.backend.name == "triton" and fmt.plain:
             from engine.cuda_graphs import DecodeGraphs
 
             graphs = DecodeGraphs(self.model, self.manager, config.max_num_seqs, self.backend.num_sms)
@@ -211,7 +223,9 @@ class LLMEngine:
         return self.chains.snapshot(session_id, with_kv)
 
     def load_session(self, snapshot, source: Tier = Tier.STORE) -> None:
-        self.chains.load(snapshot, source)
+        """Make a session from a snapshot (one made at any tensor_parallel_size: re-sharded here)."""
+        rank = 0 if self.shard is None else self.shard.rank
+        self.chains.load(snapshot_for_rank(snapshot, self.config.tensor_parallel_size, rank), source)
 
     def add_prefilled_request(self, num_tokens: int, kv_tokens: int | torch.Tensor, params: SamplingParams,
                               method: MethodSpec | None = None, seed: int = 0) -> Hashable:

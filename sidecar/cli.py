@@ -113,18 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import asyncio
-    import signal
-
-    from engine.llm import LLMEngine
+def _serve_setup(args: argparse.Namespace):
+    """(config, options, store, auth) from the command line, or an exit code after printing why not."""
     from sidecar.auth import Authenticator
     from sidecar.integrity import load_keys
     from sidecar.limits import TenantLimits
     from sidecar.logs import setup_logging
     from sidecar.protocol import Limits
     from sidecar.serve_config import apply_settings
-    from sidecar.server import ServerHooks, ServerOptions, SidecarServer
+    from sidecar.server import ServerOptions
     from sidecar.store import StoreError, open_store
 
     try:
@@ -145,7 +142,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError, StoreError) as e:
         print(f"chainkv: {e}", file=sys.stderr)
         return 2
-    engine = LLMEngine(config)
+    return config, options, store, auth
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    setup = _serve_setup(args)
+    if isinstance(setup, int):
+        return setup
+    config = setup[0]
+    if config.tensor_parallel_size > 1:
+        # one process per rank; rank 0 serves, the others follow it (engine/distributed/launcher.py)
+        from engine.distributed.launcher import launch
+
+        return launch(config, serve_engine, args)
+    from engine.llm import LLMEngine
+
+    serve_engine(LLMEngine(config), args, setup)
+    return 0
+
+
+def serve_engine(engine, args: argparse.Namespace, setup=None) -> None:
+    """Serve ``engine`` (an LLMEngine, or rank 0's tensor-parallel front door) until SIGTERM/SIGINT."""
+    import asyncio
+    import signal
+
+    from sidecar.server import ServerHooks, SidecarServer
+
+    if setup is None:
+        setup = _serve_setup(args)
+        if isinstance(setup, int):
+            raise SystemExit(setup)
+    config, options, store, auth = setup
     hooks = ServerHooks()
     if args.metrics_port is not None:
         from sidecar.metrics import MetricsHooks
@@ -157,8 +184,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     async def main() -> None:
         server = SidecarServer(engine, options, store, hooks)
         port = await server.start()
+        tp = f", tensor parallel {config.tensor_parallel_size}" if config.tensor_parallel_size > 1 else ""
         print(f"chainkv: serving chainkv.v1.Sidecar on {args.host}:{port} (model {engine.model_dir.name}, "
-              f"method {config.method}, device {engine.device}, store {store.describe() if store else 'none'}, "
+              f"method {config.method}, device {engine.device}{tp}, store {store.describe() if store else 'none'}, "
               f"auth {'on' if auth.enabled else 'off'}, snapshot hmac {'on' if store and store.hmac_keys else 'off'})",
               flush=True)
         http = None
@@ -192,7 +220,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     asyncio.run(main())
     print("chainkv: stopped", flush=True)
-    return 0
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 import msgpack
 
 from sidecar.store import Checksum
-from sidecar.store_errors import SnapshotRejected, StoreError
+from sidecar.store_errors import SnapshotRejected
 
 ENV_KEY_FILE = "CHAINKV_SNAPSHOT_HMAC_KEY_FILE"
 MIN_KEY_BYTES = 16

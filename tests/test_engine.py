@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from engine.config import EngineConfig
 from engine.lifecycle import MethodError, MethodSpec

@@ -101,9 +101,12 @@ def test_the_check_finds_a_cycle(tmp_path):
 LAYER_RULES = {
     "engine.cache": ("engine.cache",),
     "engine.lifecycle": ("engine.cache",),
-    "engine.methods": ("engine.methods", "engine.lifecycle", "engine.cache"),
+    "engine.methods": ("engine.methods", "engine.lifecycle", "engine.cache", "engine.distributed.group"),
+    "engine.distributed.group": (),
 }
-"""A module under a prefix may import only modules under the listed prefixes (docs/architecture.md)."""
+"""A module under a prefix may import only modules under the listed prefixes (docs/architecture.md).
+``engine.distributed.group`` (the tensor-parallel collectives) is a leaf: it imports nothing of the
+engine, so the methods whose rule spans a layer's heads (tova, adakv) may call it."""
 
 
 def _under(module: str, prefix: str) -> bool:

@@ -257,7 +257,7 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(local, smol_
     a = run(stub, request("occ", TURNS[1], expected_turn_index=1))
     b = run(stub, request("occ-child", TURNS[1], expected_turn_index=1))
     assert a.token_ids == b.token_ids
-    tool = run(stub, request("occ", TURNS[2]))
+    run(stub, request("occ", TURNS[2]))
     pruned = stub.PruneHistory(pb.PruneHistoryRequest(session_id="occ", prune_roles=["tool"]), metadata=ALPHA)
     assert pruned.pruned_tokens > 0 and pruned.removed > 0 and pruned.session.prune_log[-1].prune_policy == "drop"
     # the same session id under another tenant is another session

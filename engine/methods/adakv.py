@@ -10,6 +10,11 @@ Heads whose attention is concentrated give tokens to heads whose attention is sp
 head keeps a different number of tokens — and, unlike kvpress (which masks), the pages of what a
 head drops are freed. The layer's heads add up to exactly ``num_kv_heads * B``.
 
+Tensor parallelism: the top-k runs over all kv-heads of the layer, which are split over ranks, so
+each compression all-gathers the layer's ``[H, T]`` scores and head lengths; every rank then
+makes the same selection and keeps its own heads' part. Whether a layer is compressed at all is
+agreed with an all-reduce, and the inner scorer's own communication (tova's) comes on top.
+
 Parameters:
     budget / budget_ratio    average tokens kept per (layer, kv-head); required
     scorer = "snapkv"        the method whose scores are ranked (with its default parameters)
@@ -21,6 +26,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
+
+from engine.distributed import group
 from engine.lifecycle import MethodError, MethodSpec
 from engine.methods.registry import get_method_class, register
 from engine.methods.scored import ScoredEviction, topk_across_heads
@@ -36,6 +45,7 @@ class AdaKVParams:
 class AdaKV(ScoredEviction):
     name = "adakv"
     Params = AdaKVParams
+    spans_heads = True
 
     def __init__(self, spec, shape):
         super().__init__(spec, shape)
@@ -57,5 +67,13 @@ class AdaKV(ScoredEviction):
     # Ada-KV's allocation
     def select(self, layer, scores, lengths, num_tokens):
         budget = self.budget_for(num_tokens)
-        return topk_across_heads(scores, lengths, len(lengths) * budget,
-                                 math.floor(self.params.alpha_safeguard * budget))
+        floor = math.floor(self.params.alpha_safeguard * budget)
+        if not group.active():
+            return topk_across_heads(scores, lengths, len(lengths) * budget, floor)
+        H = len(lengths)  # this rank's heads; the layer's are on every rank
+        T = group.max_ints([scores.shape[-1]])[0]
+        scores = F.pad(scores.float(), (0, T - scores.shape[-1]), value=float("-inf"))
+        every = group.all_gather_first(scores)
+        every_len = group.all_gather_first(lengths.to(scores.device, torch.int64)).cpu()
+        keep = topk_across_heads(every, every_len, len(every_len) * budget, floor)
+        return keep[group.rank() * H : (group.rank() + 1) * H]

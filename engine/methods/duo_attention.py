@@ -13,6 +13,10 @@ keep full context. Only the calibration differs from the paper: it optimises a g
 distillation; ours scores each head by the attention mass its answer-time queries put outside the
 sink + recent window (training-free; the head pattern has the same form).
 
+Tensor parallelism: no communication at run time. Which heads stream is ranked over all (layer,
+kv-head)s of the model, so every rank loads the whole pattern, ranks it, and keeps the rows of its
+own kv-heads; each head's rule is then its own.
+
 Parameters:
     budget / budget_ratio   tokens a streaming head keeps (sink + recent); unset: n_sink + n_recent
     n_sink = 128            sink tokens a streaming head keeps (with a budget: at most a quarter of it)
@@ -31,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from engine.distributed import group
 from engine.lifecycle import DecodeBatch, MethodError, PrefillChunk, SparseMethod, recent_and_sink
 from engine.methods.registry import register
 
@@ -87,9 +92,12 @@ class DuoAttention(SparseMethod):
             raise MethodError("duo_attention: n_sink and slack must be >= 0, n_recent >= 1")
         if not 0 <= p.sparsity <= 1:
             raise MethodError(f"duo_attention.sparsity must be in [0, 1], not {p.sparsity}")
-        data = load_pattern(p.pattern, shape.num_layers, shape.num_kv_heads, shape.head_dim)
+        H = shape.num_kv_heads  # this rank's kv-heads (all of them at tensor_parallel_size 1)
+        data = load_pattern(p.pattern, shape.num_layers, H * group.size(), shape.head_dim)
         self.scores = torch.tensor(data["scores"], dtype=torch.float32)
-        self.streaming = streaming_heads(self.scores, p.sparsity)  # [L, H]
+        mine = slice(group.rank() * H, (group.rank() + 1) * H)
+        self.streaming = streaming_heads(self.scores, p.sparsity)[:, mine]  # [L, H], ranked over the whole model
+        self.scores = self.scores[:, mine]
         self._any = self.streaming.any(-1).tolist()
 
     def streaming_budget(self, num_tokens: int) -> tuple[int, int]:

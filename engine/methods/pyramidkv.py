@@ -19,6 +19,10 @@ average ``B``) and falls back whenever the top layer would keep fewer tokens tha
 An earlier version here followed the paper code's shape with rounding of its own; its kept
 tokens differed from kvpress' at every budget where kvpress falls back to SnapKV.
 
+Tensor parallelism: no communication. The allocation is across layers, not heads, and is computed
+from values every rank has (layers, budget, window, context length); each kv-head ranks its own
+tokens as in snapkv.
+
 Parameters:
     budget / budget_ratio   average tokens kept per (layer, kv-head), window included; required
     window_size = 64        observation window (kvpress' default)

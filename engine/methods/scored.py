@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cache.transfer import to_device
+from engine.distributed import group
 from engine.lifecycle import ChunkInfo, PrefillChunk, SparseMethod
 
 
@@ -108,6 +109,10 @@ class ScoredEviction(SparseMethod, ABC):
 
     needs_budget = True
     holds_budget = True
+    spans_heads = False
+    """The rule reads every head of a layer (a mean or a top-k across heads). Under tensor
+    parallelism a layer's heads are split over ranks, so such a method runs a collective, and the
+    decision whether a layer is compressed at all is taken over every rank's heads."""
 
     @property
     def rule(self) -> "ScoredEviction":
@@ -145,7 +150,10 @@ class ScoredEviction(SparseMethod, ABC):
         if not chunk.is_last:
             return None
         budgets = self.layer_budgets(layer, chunk.lengths, chunk.num_tokens)
-        if all(int(n) <= b for n, b in zip(chunk.lengths, budgets)):
+        due = any(int(n) > b for n, b in zip(chunk.lengths, budgets))
+        if self.spans_heads:  # every rank scores (a collective) or none does
+            due = group.any_rank(due)
+        if not due:
             return None
         keep = self.select(layer, rank_protected_last(rule.score(layer, chunk), chunk.protected), chunk.lengths,
                            chunk.num_tokens)

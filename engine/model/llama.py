@@ -145,6 +145,10 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]
         h, _ = self.norm(x, residual)
+        return self.logits(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final hidden states (a tensor-parallel shard gathers its vocabulary slice)."""
         return F.linear(h, self.lm_head_weight).float()
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
