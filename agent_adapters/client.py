@@ -16,7 +16,9 @@ Retries. Every Turn carries a ``request_id`` (a fresh one unless the caller give
 sends the same id, so the server either replays the recorded result (``TurnResult.replayed``)
 or, when the first attempt never finished (it was rolled back), runs the turn once. Retried:
 UNAVAILABLE (a dropped connection, a replica shutting down, the store behind) and, on a retry,
-ABORTED (the first attempt is still being rolled back). A stream that broke after some events
+ABORTED (the first attempt is still being rolled back). ABORTED "a turn is already running" (the
+session is busy with another turn; the request was not started) is retried for every call, with
+backoff, until the deadline. A stream that broke after some events
 resumes without repeating them: the retried stream's text must extend what was delivered (it does
 for a replay; a re-run that sampled differently raises ``StreamDiverged``). ``request_id=""``
 turns replay off and with it retries.
@@ -37,10 +39,13 @@ import grpc
 
 from agent_adapters.messages import (ChatMessage, MessageLike, TextDelta, ToolCall, ToolLike, TurnEvent, TurnResult,
                                      as_message, as_tool)
+from agent_adapters.output_format import OUTPUT_FIELDS, response_format_proto, tool_choice_proto
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos")
+BUSY_DETAILS = "a turn is already running"
+"""How the sidecar's ABORTED for a busy session begins (sidecar/sessions.py SessionBusy)."""
 METHOD_FIELDS = ("method", "budget", "budget_ratio", "method_args", "shared_prefix_messages")
 
 
@@ -75,6 +80,11 @@ def _retryable(code: grpc.StatusCode, attempt: int) -> bool:
     return code is grpc.StatusCode.UNAVAILABLE or (code is grpc.StatusCode.ABORTED and attempt > 0)
 
 
+def _busy(e: grpc.RpcError) -> bool:
+    """The session had a turn running: the request was turned away before anything was done."""
+    return e.code() is grpc.StatusCode.ABORTED and (e.details() or "").startswith(BUSY_DETAILS)
+
+
 # session RPCs are safe to repeat except these two (a repeat would fork or prune twice)
 _NOT_REPEATABLE = ("ForkSession", "PruneHistory")
 
@@ -100,12 +110,16 @@ class _Attempts:
 
     def backoff_after(self, e: grpc.RpcError) -> float:
         """The seconds to wait before retrying the attempt that failed with ``e``; raises ChainKVError
-        (with the number of attempts made) when ``e`` is final."""
+        (with the number of attempts made) when ``e`` is final. A busy session (ABORTED, "a turn is
+        already running") is retried whatever the call, since the server did nothing with it, until
+        the deadline (or, without one, max_attempts)."""
         attempt = self.count - 1
         wait = None
-        if self.repeatable and _retryable(e.code(), attempt) and attempt + 1 < self.policy.max_attempts:
-            wait = self.policy.backoff(attempt + 1)
-            if self.deadline is not None and time.monotonic() + wait >= self.deadline:
+        busy = _busy(e)
+        if busy or (self.repeatable and _retryable(e.code(), attempt)):
+            if attempt + 1 < self.policy.max_attempts or (busy and self.deadline is not None):
+                wait = self.policy.backoff(attempt + 1)
+            if wait is not None and self.deadline is not None and time.monotonic() + wait >= self.deadline:
                 wait = None
         if wait is None:
             raise ChainKVError(e.code(), e.details() or "", self.count) from None
@@ -124,10 +138,12 @@ def build_turn_request(session_id: str, messages: Iterable[MessageLike], *, tool
                        **options: Any) -> pb.TurnRequest:
     """A TurnRequest; ``options`` are the sampling fields (max_tokens, temperature, top_k, top_p,
     seed, stop, ignore_eos) and the session's method fields (method, budget, budget_ratio,
-    method_args, shared_prefix_messages). None values are left unset (the server's defaults)."""
-    unknown = set(options) - set(SAMPLING_FIELDS) - set(METHOD_FIELDS)
+    method_args, shared_prefix_messages) and the output fields (response_format, tool_choice: see
+    ``agent_adapters.output_format``). None values are left unset (the server's defaults)."""
+    unknown = set(options) - set(SAMPLING_FIELDS) - set(METHOD_FIELDS) - set(OUTPUT_FIELDS)
     if unknown:
-        raise TypeError(f"unknown Turn option(s) {sorted(unknown)}; known: {SAMPLING_FIELDS + METHOD_FIELDS}")
+        raise TypeError(f"unknown Turn option(s) {sorted(unknown)}; known: "
+                        f"{SAMPLING_FIELDS + METHOD_FIELDS + OUTPUT_FIELDS}")
     req = pb.TurnRequest(session_id=session_id, request_id=uuid.uuid4().hex if request_id is None else request_id,
                          messages=[as_message(m).to_proto() for m in messages],
                          tools=[as_tool(t).to_proto() for t in tools])
@@ -140,6 +156,10 @@ def build_turn_request(session_id: str, messages: Iterable[MessageLike], *, tool
             req.stop.extend([value] if isinstance(value, str) else value)
         elif key == "method_args":
             req.method_args.update({k: str(v) for k, v in value.items()})
+        elif key == "response_format":
+            req.response_format.CopyFrom(response_format_proto(value))
+        elif key == "tool_choice":
+            req.tool_choice.CopyFrom(tool_choice_proto(value))
         else:
             setattr(req, key, value)
     return req

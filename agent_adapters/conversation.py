@@ -4,7 +4,8 @@
 (a key the process has no record of is checked against the sidecar first), sends the new messages
 (tools and method settings only on a session's first turn: the sidecar fixes them there), yields
 the client's events and records the reply. ``key=None`` is a stateless call: a throwaway session
-that is ended afterwards.
+that is ended afterwards. A conversation whose history was edited moves to a fresh session, and
+the session it leaves is ended (its KV and snapshot freed) once the fresh one answered.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ class Conversations:
             for event in self.client.stream_turn(plan.session_id, plan.messages, **self._options(plan, tools, options)):
                 if isinstance(event, TurnResult) and key is not None:
                     self.ledger.record(plan, event)
+                    if plan.replaces:
+                        self._end_quietly(plan.replaces)
                 yield event
         finally:
             if key is None:
@@ -115,13 +118,19 @@ class Conversations:
             async for event in client.stream_turn(plan.session_id, plan.messages, **self._options(plan, tools, options)):
                 if isinstance(event, TurnResult) and key is not None:
                     self.ledger.record(plan, event)
+                    if plan.replaces:
+                        await self._aend_quietly(client, plan.replaces)
                 yield event
         finally:
             if key is None:
-                try:
-                    await client.end_session(plan.session_id)
-                except ChainKVError:
-                    pass
+                await self._aend_quietly(client, plan.session_id)
+
+    @staticmethod
+    async def _aend_quietly(client: AsyncChainKVClient, session_id: str) -> None:
+        try:
+            await client.end_session(session_id)
+        except ChainKVError:
+            pass
 
     @staticmethod
     async def _aexists(client: AsyncChainKVClient, session_id: str) -> bool:

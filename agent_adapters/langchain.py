@@ -11,7 +11,10 @@ thread), then ``thread_id`` in the run metadata. Calls of one key continue one s
 send only the messages it has not seen (``agent_adapters.ledger``); a call without any key is
 stateless (a throwaway session). Tools bound with ``bind_tools`` are sent on the session's first
 turn (the sidecar fixes a session's tools there); the replies' tool calls come back as
-``AIMessage.tool_calls`` (and as ``tool_call_chunks`` while streaming).
+``AIMessage.tool_calls`` (and as ``tool_call_chunks`` while streaming). ``bind_tools(tool_choice=...)``
+forces a call and ``with_structured_output`` (function_calling, json_schema, json_mode) constrains the
+reply, both by grammar-constrained decoding on the sidecar (``TurnRequest.tool_choice`` /
+``response_format``).
 
 Usage: ``usage_metadata`` counts the context the turn ran on (``input_tokens``, with the cached
 part as ``input_token_details.cache_read``) and the tokens generated; ``response_metadata``
@@ -21,6 +24,7 @@ carries the sidecar's own counters (prefilled, reused, pruned, time to first tok
 from __future__ import annotations
 
 import json
+from operator import itemgetter
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -29,15 +33,18 @@ from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import (AIMessage, AIMessageChunk, BaseMessage, ChatMessage as LCChatMessage,
                                      HumanMessage, SystemMessage, ToolMessage)
 from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableConfig
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough
 from langchain_core.runnables.config import ensure_config
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import ConfigDict, Field, PrivateAttr
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from agent_adapters.conversation import Conversations
 from agent_adapters.messages import ChatMessage, TextDelta, ToolCall, ToolSpec, TurnResult, as_tool
+from agent_adapters.output_format import named_tool_choice
 
 def _text(content: Any) -> str:
     if isinstance(content, str):
@@ -91,7 +98,7 @@ def _lc_tool_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
 class ChatChainKV(BaseChatModel):
     """A LangChain chat model served by a chainkv sidecar over gRPC."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
     target: str = "127.0.0.1:50051"
     """The sidecar's address."""
@@ -100,8 +107,9 @@ class ChatChainKV(BaseChatModel):
     token: str | None = None
     """Bearer token, when the sidecar has auth on."""
     tls_ca: str | None = None
-    timeout_s: float | None = 300.0
-    """Deadline of one call, retries included."""
+    timeout_s: float | None = Field(default=300.0, alias="timeout")
+    """Deadline of one call in seconds, retries included (also ``timeout=``, LangChain's name, at
+    construction or per call)."""
     max_retries: int = 3
     model_name: str = "chainkv"
     # sampling (the sidecar's SamplingParams names)
@@ -136,12 +144,45 @@ class ChatChainKV(BaseChatModel):
 
     # --- tools -------------------------------------------------------------------------------------------
     def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool], *,
-                   tool_choice: str | None = None, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
-        if tool_choice not in (None, "auto"):
-            raise ValueError(f"chainkv lets the model decide when to call a tool; tool_choice={tool_choice!r} "
-                             "cannot be enforced (use None or 'auto')")
+                   tool_choice: str | bool | dict[str, Any] | None = None,
+                   **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools; ``tool_choice``: None or "auto" (the model decides), "none", "required" (or
+        "any", True: one call to one of the tools), a tool's name or ``{"type": "function",
+        "function": {"name": ...}}`` (one call to that tool). A forced call is decoded under a grammar,
+        so its arguments validate against the tool's schema."""
         specs = [as_tool(convert_to_openai_tool(t)) for t in tools]
+        if tool_choice is not None:
+            kwargs["tool_choice"] = named_tool_choice(tool_choice, [t.name for t in specs])
         return super().bind(tools=specs, **kwargs)
+
+    def with_structured_output(self, schema: dict[str, Any] | type, *, include_raw: bool = False,
+                               method: str = "function_calling", strict: bool | None = None,
+                               **kwargs: Any) -> Runnable[LanguageModelInput, dict | BaseModel]:
+        """Replies parsed into ``schema`` (a pydantic class, a TypedDict, a JSON Schema or an OpenAI
+        tool dict). ``method``: "function_calling" (one forced call to a tool of that schema) or
+        "json_schema" (the reply itself is JSON under the schema, through ``response_format``) or
+        "json_mode" (any JSON object; parsed into ``schema`` when it is a pydantic class). Both are
+        decoded under a grammar, so the output parses."""
+        if kwargs:
+            raise ValueError(f"Received unsupported arguments {kwargs}")
+        if method == "function_calling":
+            return super().with_structured_output(schema, include_raw=include_raw)
+        if method not in ("json_schema", "json_mode"):
+            raise ValueError(f"method must be function_calling, json_schema or json_mode, not {method!r}")
+        pydantic_cls = schema if isinstance(schema, type) and is_basemodel_subclass(schema) else None
+        if method == "json_mode":
+            fmt: dict[str, Any] = {"type": "json_object"}
+        else:
+            fn = convert_to_openai_tool(schema)["function"]
+            fmt = {"type": "json_schema", "json_schema": {"name": fn["name"], "schema": fn.get("parameters") or {}}}
+        llm = self.bind(response_format=fmt, ls_structured_output_format={
+            "kwargs": {"method": method}, "schema": schema})
+        parser = PydanticOutputParser(pydantic_object=pydantic_cls) if pydantic_cls else JsonOutputParser()
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
 
     # --- the session key ------------------------------------------------------------------------------
     def _with_key(self, config: RunnableConfig | None, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -182,7 +223,10 @@ class ChatChainKV(BaseChatModel):
         options = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k,
                    "top_p": self.top_p, "seed": self.seed, "stop": stop if stop is not None else self.stop,
                    "method": self.method, "budget": self.budget, "budget_ratio": self.budget_ratio,
-                   "method_args": self.method_args or None}
+                   "method_args": self.method_args or None, "response_format": None, "tool_choice": None,
+                   "timeout_s": None}
+        if "timeout" in kwargs:
+            kwargs["timeout_s"] = kwargs.pop("timeout")
         options.update({k: v for k, v in kwargs.items() if k in options})
         return key, [to_chat_message(m) for m in messages], tools, options
 

@@ -9,7 +9,9 @@ that record sends only the extension.
 A call that does not extend it (the framework edited or rewound its history) or a key this
 process has no record of while the sidecar already has a session under it (another process, a
 restart) cannot be continued safely: the conversation moves to a fresh session id
-``<key>~<random>`` that gets the whole history (correct, only without reuse for this once).
+``<key>~<random>`` that gets the whole history (correct, only without reuse for this once). A
+session this process wrote and moved away from is ended once the fresh one has its first turn
+(``Plan.replaces``); one another process wrote is left alone.
 Keys that are not valid session ids (1-128 characters of ``[A-Za-z0-9._:@+=~-]``) are hashed.
 """
 
@@ -56,6 +58,9 @@ class Plan:
     """The session's turn index before this turn: the sidecar refuses the turn (FAILED_PRECONDITION)
     if the session is elsewhere (a turn lost to a crash, another writer), instead of silently
     giving this turn another index."""
+    replaces: str = ""
+    """The session this conversation moves away from (its history was edited): the adapter ends it
+    once this turn has finished on the fresh session."""
 
 
 @dataclass
@@ -82,12 +87,12 @@ class SessionLedger:
                 return Plan(key, e.session_id, list(messages[n:]), False, True, fps, e.turns)
             log.warning("conversation %r does not extend what session %r holds; continuing on a fresh session",
                         key, e.session_id)
-            return self._fresh(key, messages, fps)
+            return self._fresh(key, messages, fps, replaces=e.session_id)
         return Plan(key, session_id_for(key), list(messages), True, False, fps)
 
-    def _fresh(self, key: str, messages: Sequence[ChatMessage], fps: list[str]) -> Plan:
+    def _fresh(self, key: str, messages: Sequence[ChatMessage], fps: list[str], replaces: str = "") -> Plan:
         base = session_id_for(key)
-        return Plan(key, f"{base}~{uuid.uuid4().hex[:12]}", list(messages), True, True, fps)
+        return Plan(key, f"{base}~{uuid.uuid4().hex[:12]}", list(messages), True, True, fps, replaces=replaces)
 
     def rotate(self, plan: Plan) -> Plan:
         """The sidecar already holds ``plan.session_id`` with a history this process did not write."""

@@ -17,6 +17,9 @@ on a fresh session (see the ledger).
 Tools. ``chat_with_tools`` / ``predict_and_call`` / function-calling agents pass LlamaIndex tools;
 they are sent on the session's first turn, and the reply's calls come back as ``ToolCallBlock``s
 (and OpenAI-style ``additional_kwargs["tool_calls"]``); ``get_tool_calls_from_response`` reads them.
+``tool_required=True`` (what ``structured_predict``'s function-calling program asks for) or a
+``tool_choice`` forces one call, decoded under a grammar so its arguments validate against the
+tool's schema; ``response_format=`` (OpenAI shape) constrains a plain chat's reply.
 
 ``metadata`` (context window, model name, chat + function calling) comes from the sidecar's
 ``GetServerInfo`` on first use, unless ``context_window`` / ``model_name`` are set.
@@ -38,6 +41,7 @@ from llama_index.core.llms.llm import ToolSelection
 
 from agent_adapters.conversation import Conversations
 from agent_adapters.messages import ChatMessage, TextDelta, ToolCall, ToolSpec, TurnResult, as_tool
+from agent_adapters.output_format import named_tool_choice
 
 
 def _tool_calls_of(m: LIMessage) -> tuple[ToolCall, ...]:
@@ -144,7 +148,8 @@ class ChainKVLLM(FunctionCallingLLM):
         tools: list[ToolSpec] = list(kwargs.pop("tools", None) or [])
         options = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k,
                    "top_p": self.top_p, "seed": self.seed, "stop": self.stop, "method": self.method,
-                   "budget": self.budget, "budget_ratio": self.budget_ratio, "method_args": self.method_args or None}
+                   "budget": self.budget, "budget_ratio": self.budget_ratio, "method_args": self.method_args or None,
+                   "response_format": None, "tool_choice": None}
         options.update({k: v for k, v in kwargs.items() if k in options})
         return key, [to_chat_message(m) for m in messages], tools, options
 
@@ -235,6 +240,11 @@ class ChainKVLLM(FunctionCallingLLM):
         if user_msg is not None:
             messages.append(LIMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str) else user_msg)
         specs = [as_tool(t.metadata.to_openai_tool()) for t in tools]
+        choice = kwargs.pop("tool_choice", None)
+        if choice is None and tool_required:
+            choice = {"type": "function", "function": {"name": specs[0].name}} if len(specs) == 1 else "required"
+        if choice is not None:
+            kwargs["tool_choice"] = named_tool_choice(choice, [t.name for t in specs])
         return {"messages": messages, "tools": specs, **kwargs}
 
     def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,

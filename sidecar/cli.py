@@ -49,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--store", default=None, metavar="URL",
                    help="session store: redis://host:port/db, rediss://..., file:///path (or a folder), or none "
                         "(default: the folder sessions/ under $CHAINKV_CACHE or ~/.cache/chainkv)")
-    g.add_argument("--store-ttl", type=float, default=7 * 24 * 3600, metavar="SECONDS", help="expiry of stored sessions")
+    g.add_argument("--session-ttl-s", "--store-ttl", dest="session_ttl_s", type=float, default=7 * 24 * 3600.0,
+                   metavar="SECONDS", help="sessions unused this long expire: ended on the replica, and their stored "
+                                           "snapshots expire this long after their last write")
     g.add_argument("--snapshot-kv", action=argparse.BooleanOptionalAction, default=True,
                    help="snapshots carry the KV (resume without recompute); --no-snapshot-kv keeps only the history")
     g.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a Turn that does not set it")
@@ -101,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "--method-arg pattern=FILE")
     add_engine_args(cal)
 
-    demo = sub.add_parser("demo", help="run a multi-turn, tool-using session against a running sidecar")
+    demo = sub.add_parser("demo", help="run a multi-turn session with real tool round trips (forced tool choice) "
+                                       "against a running sidecar")
     demo.add_argument("--target", default="127.0.0.1:50051", help="the sidecar's address")
     demo.add_argument("--session", default=None, help="session id (default: a new random one)")
     demo.add_argument("--max-tokens", type=int, default=96)
@@ -128,12 +131,13 @@ def _serve_setup(args: argparse.Namespace):
         auth = Authenticator.from_args(args.auth_token, args.auth_file)
         options = ServerOptions(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
                                 limits=Limits(default_max_tokens=args.default_max_tokens), snapshot_kv=args.snapshot_kv,
-                                session_idle_s=args.session_idle_s, grace_s=args.grace_s, auth=auth,
+                                session_idle_s=args.session_idle_s, session_ttl_s=args.session_ttl_s,
+                                grace_s=args.grace_s, auth=auth,
                                 durability=args.durability,
                                 tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                                 tenant_limits=TenantLimits(args.max_sessions_per_tenant, args.max_tokens_per_turn,
                                                            TenantLimits.parse_overrides(args.tenant_limit)))
-        store = open_store(args.store, ttl_s=args.store_ttl, hmac_keys=load_keys(args.snapshot_hmac_key_file))
+        store = open_store(args.store, ttl_s=args.session_ttl_s, hmac_keys=load_keys(args.snapshot_hmac_key_file))
         check_port_free(args.host, args.port)
     except (ValueError, OSError, StoreError) as e:
         print(f"chainkv: {e}", file=sys.stderr)

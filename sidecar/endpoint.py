@@ -2,7 +2,7 @@
 
 ``GrpcEndpoint`` owns the listening side of the sidecar and nothing else: it adds the servicer's
 handlers, the standard health service (``grpc.health.v1``, reported for "" and
-``chainkv.v1.Sidecar``) and server reflection, and listens in plaintext or with TLS (mutual TLS
+``chainkv.v1.Sidecar``) and server reflection (v1 and v1alpha, ``sidecar.reflection``), and listens in plaintext or with TLS (mutual TLS
 when a client CA is given).
 """
 
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from engine.config import ConfigError
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.options import ServerOptions
+from sidecar.reflection import enable_reflection
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Sidecar"].full_name  # "chainkv.v1.Sidecar"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -52,8 +52,7 @@ class GrpcEndpoint:
         ])
         server.add_generic_rpc_handlers((handlers,))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            [SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+        enable_reflection([SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server)
         address = f"{o.host}:{o.port}"
         creds = server_credentials(o)
         port = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from sidecar.auth import Authenticator
@@ -31,6 +32,10 @@ class ServerOptions:
     snapshot_retry_max_s: float = 5.0
     session_idle_s: float = 3600.0
     """Sessions idle this long, with their snapshot committed, are freed here (they resume from the store)."""
+    session_ttl_s: float = 7 * 24 * 3600.0
+    """Sessions expire after this long unused: this replica ends one idle this long (with or without
+    a store), and ``chainkv serve`` gives the store the same TTL, so a snapshot expires this long
+    after its last write (CLI ``--session-ttl-s``, YAML ``session_ttl_s``)."""
     grace_s: float = 30.0
     """Shutdown: how long running turns may finish."""
     flush_timeout_s: float = 30.0
@@ -45,3 +50,9 @@ class ServerOptions:
     tls_key: str | None = None
     tls_client_ca: str | None = None
     """With a CA file, clients must present a certificate it signed (mutual TLS)."""
+
+    def __post_init__(self) -> None:
+        for name in ("session_idle_s", "session_ttl_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")

@@ -408,6 +408,18 @@ class SessionManager:
             freed += 1
         return freed
 
+    async def expire_idle(self, ttl_s: float) -> int:
+        """End, on this replica, the sessions unused for ``ttl_s`` (their KV is freed; their stored
+        snapshot, if any, expires by the store's own TTL, as another replica may have continued the
+        session there). A session with a turn running, or a snapshot the store has yet to get, is kept."""
+        now = time.monotonic()
+        victims = [s for s in self._sessions.values() if not s.busy and now - s.last_used > ttl_s
+                   and not (self.store is not None and s.snapshot_pending)]
+        for s in victims:
+            s.ended = True
+            await self._drop_local(s)
+        return len(victims)
+
 
 def recorded_in(app: dict[str, Any], request_id: str) -> bool:
     """Does a stored session's sidecar metadata record a finished turn under ``request_id``?"""

@@ -136,9 +136,13 @@ class SidecarServer:
 
     async def _janitor_loop(self) -> None:
         while True:
-            await asyncio.sleep(min(60.0, max(1.0, self.options.session_idle_s / 4)))
+            o = self.options
+            await asyncio.sleep(min(60.0, max(1.0, min(o.session_idle_s, o.session_ttl_s) / 4)))
             try:
-                n = await self.sessions.evict_idle(self.options.session_idle_s)
+                n = await self.sessions.expire_idle(o.session_ttl_s)
+                if n:
+                    log.info("ended %d session(s) unused for %.0f s (session_ttl_s)", n, o.session_ttl_s)
+                n = await self.sessions.evict_idle(o.session_idle_s)
                 if n:
                     log.info("freed %d idle session(s) (their snapshots are committed)", n)
                 sweep = getattr(self.store, "sweep", None)

@@ -124,3 +124,29 @@ def test_attempts_not_repeatable_other_codes_and_the_deadline_are_final():
     assert opts["timeout"] == 0.0  # the call's deadline had passed: no time left for the attempt
     a = _Attempts(_Client(timeout_s=0.0), 60.0, repeatable=True)  # the call's timeout_s overrides the client's
     assert 0 < a.next()["timeout"] <= 60.0
+
+
+class _Busy(_Failed):
+    def __init__(self):
+        super().__init__(grpc.StatusCode.ABORTED)
+
+    def details(self) -> str:
+        return "a turn is already running on session 's'"
+
+
+def test_a_busy_session_is_retried_for_every_call_until_the_deadline():
+    a = _Attempts(_Client(timeout_s=60.0, max_attempts=2), None, repeatable=False)  # even a fork / a prune
+    for _ in range(5):  # past max_attempts: the deadline bounds busy retries
+        a.next()
+        assert 0.0 < a.backoff_after(_Busy()) <= 0.3
+    a = _Attempts(_Client(max_attempts=2), None, repeatable=True)  # no deadline: max_attempts bounds them
+    a.next()
+    assert a.backoff_after(_Busy()) > 0
+    a.next()
+    with pytest.raises(ChainKVError) as e:
+        a.backoff_after(_Busy())
+    assert e.value.code is grpc.StatusCode.ABORTED and e.value.attempts == 2
+    a = _Attempts(_Client(timeout_s=0.0), None, repeatable=True)  # no time left: final
+    a.next()
+    with pytest.raises(ChainKVError):
+        a.backoff_after(_Busy())

@@ -282,7 +282,8 @@ def test_demo_runs_a_session_against_the_sidecar(local):
     assert run_demo(f"127.0.0.1:{server.server.port}", "demo", max_tokens=12, token="tok-alpha", out=out) == 0
     text = out.getvalue()
     assert text.count("[turn ") >= 3 and "a new session" in text and "KV in device memory" in text
-    assert "tool call" in text  # either a tool round trip or the note that the model answered directly
+    assert "-> tool call: calculator(" in text and "2 tool round trip(s)" in text  # forced: real round trips
+    assert "KV from the session store" not in text and "cache reuse: " in text
     assert "session: " in text and server.server.sessions.local("alpha/demo") is None  # ended
 
 

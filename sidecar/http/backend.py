@@ -10,11 +10,15 @@ sessions and nothing else.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import TYPE_CHECKING, AsyncIterator
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.server import Draining
 from sidecar.sessions import Session, scoped_key
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.server import SidecarServer
@@ -62,6 +66,24 @@ class SessionBackend:
                 return None
             raise
         return s if s.in_engine else None
+
+    async def find_newer(self, key: str, at_least: int) -> Session | None:
+        """The store's copy of the session when it is at ``at_least`` turns or more, that is ahead of this
+        replica's (another replica ran the later turns); None when the store has nothing that far."""
+        from engine.chain import SessionError
+        from sidecar.store_errors import StoreError
+
+        store = self.server.store
+        if store is None:
+            return None
+        try:
+            stored = await asyncio.to_thread(store.load, key, False)
+            target = max(at_least, stored.turn_index if stored is not None else 0)
+            s = await self.server.sessions.get(key, create=False, expected_turn_index=target)
+        except (SessionError, StoreError) as e:
+            log.info("session %s: no copy at turn %d or later in the store (%s)", key, at_least, e)
+            return None
+        return s if s.in_engine and s.turn_index >= at_least else None
 
     async def end(self, key: str, keep_snapshot: bool = False) -> None:
         from engine.chain import SessionNotFound

@@ -119,11 +119,16 @@ class ChatCompletions:
             sid = session_id_for_key(key_hint)
             key = b.key(tenant, sid)
             s = await b.find(key)
+            k = _continues(s, digests, messages)
+            if k is not None:
+                later = sum(1 for m in messages[k:] if m.role == "assistant")
+                if later:  # the conversation went on elsewhere (another replica): take the store's copy
+                    newer = await b.find_newer(key, s.turn_index + later)
+                    k2 = _continues(newer, digests, messages)
+                    if k2 is not None:
+                        s, k = newer, k2
+                return _Plan(sid, key, k, s.turn_index, explicit=True)
             if s is not None:
-                have = s.front.get(FRONT_KEY)
-                for k in range(len(messages) - 1, 0, -1):
-                    if digests[k].hex() == have:
-                        return _Plan(sid, key, k, s.turn_index, explicit=True)
                 await b.end(key)  # the client changed the history: begin the session again
             return _Plan(sid, key, 0, None, explicit=True)
         for k in range(len(messages) - 1, 0, -1):
@@ -137,6 +142,17 @@ class ChatCompletions:
                 return _Plan(key.rsplit("/", 1)[-1], key, k, s.turn_index, explicit=False)
         sid = "chat-" + uuid.uuid4().hex
         return _Plan(sid, b.key(tenant, sid), 0, None, explicit=False)
+
+
+def _continues(s, digests: list[bytes], messages: list) -> int | None:
+    """The longest prefix ``messages[:k]`` (k >= 1) whose digest is the session's transcript, or None."""
+    if s is None:
+        return None
+    have = s.front.get(FRONT_KEY)
+    for k in range(len(messages) - 1, 0, -1):
+        if digests[k].hex() == have:
+            return k
+    return None
 
 
 class _Plan:

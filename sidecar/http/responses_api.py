@@ -128,6 +128,9 @@ class Responses:
         if prev is not None:
             sid = session_of(prev)
             s = await b.find(b.key(tenant, sid))
+            if s is not None and prev not in s.front.get("responses", {}):
+                # a response this replica has not seen: its session went on elsewhere (the store has it)
+                s = await b.find_newer(b.key(tenant, sid), s.turn_index + 1)
             if s is None or prev not in s.front.get("responses", {}):
                 raise OpenAIError(404, f"No response found with id {prev[:200]!r}", "invalid_request_error",
                                   "previous_response_id", "response_not_found")
@@ -171,6 +174,8 @@ class Responses:
         tenant = b.tenant(authorization)
         key = b.key(tenant, session_of(resp_id))
         s = await b.find(key)
+        if s is not None and resp_id not in s.front.get("responses", {}):
+            s = await b.find_newer(key, s.turn_index + 1)  # made by another replica after this copy
         record = None if s is None else s.front.get("responses", {}).get(resp_id)
         if record is None:
             raise OpenAIError(404, f"No response found with id {resp_id[:200]!r}", "invalid_request_error",

@@ -1,0 +1,89 @@
+"""The OpenAI-compatible HTTP front on two replicas sharing a real Redis (tests/redis_server.py): a
+3-turn chat with a tool round trip whose turns alternate between the replicas, by Chat Completions
+(``prompt_cache_key`` names the session) and by the Responses API (``previous_response_id``), with
+the official ``openai`` client. Each replica has its own engine (tiny random model with SmolLM2's
+tokenizer); a turn served by the other replica picks the session up from its Redis snapshot, so
+its context is reused, not prefilled again."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from redis_server import RedisProcess
+from test_http_front import FORCE, TOOLS, WEATHER, Live, _complete, _respond
+
+
+@pytest.fixture(scope="module")
+def redis_proc(tmp_path_factory):
+    proc = RedisProcess(tmp_path_factory.mktemp("redis")).start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_chat_dir, redis_proc):
+    from engine.config import EngineConfig
+    from engine.llm import LLMEngine
+    from sidecar.store import RedisStore
+
+    def replica():
+        engine = LLMEngine(EngineConfig(model=tiny_chat_dir, num_pages=6000, prefill_chunk_size=128,
+                                        max_model_len=4096))
+        return Live(engine, RedisStore(redis_proc.url))
+
+    a, b = replica(), replica()
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def _flush(live: Live) -> None:
+    """Wait for the replica's snapshots to be in Redis (written behind the turn by default)."""
+    assert live.thread.run(live.thread.server.writer.flush(30))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_completions_turns_alternate_between_replicas(replicas, stream):
+    a, b = replicas
+    key = f"replicas-chat-{stream}"
+    msgs = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Oslo?"}]
+    reply, u1 = _complete(a.client(), a.model, msgs, stream, tools=TOOLS, tool_choice=FORCE, max_tokens=96,
+                          prompt_cache_key=key)
+    call = reply["tool_calls"][0]
+    assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER)
+    _flush(a)
+    msgs += [reply, {"role": "tool", "tool_call_id": call["id"], "content": '{"celsius": 4}'}]
+    reply, u2 = _complete(b.client(), b.model, msgs, stream, tools=TOOLS, max_tokens=12, prompt_cache_key=key)
+    _flush(b)
+    msgs += [reply, {"role": "user", "content": "And tomorrow?"}]
+    _, u3 = _complete(a.client(), a.model, msgs, stream, tools=TOOLS, max_tokens=12, prompt_cache_key=key)
+    for before, u in ((u1, u2), (u2, u3)):
+        # the other replica's snapshot held everything but this turn's new messages
+        assert u.prompt_tokens > before.prompt_tokens
+        assert u.prompt_tokens_details.cached_tokens >= before.prompt_tokens + before.completion_tokens - 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_previous_response_id_resolves_on_the_other_replica(replicas, stream):
+    a, b = replicas
+    kw = dict(tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER}], max_output_tokens=96)
+    first = _respond(a.client(), stream, model=a.model, input="Weather in Rome?",
+                     tool_choice={"type": "function", "name": "get_weather"}, **kw)
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    _flush(a)
+    second = _respond(b.client(), stream, model=b.model, previous_response_id=first.id, **kw,
+                      input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"celsius": 20}'}])
+    _flush(b)
+    third = _respond(a.client(), stream, model=a.model, previous_response_id=second.id, input="Thanks!", **kw)
+    for before, r in ((first, second), (second, third)):
+        assert r.usage.input_tokens_details.cached_tokens >= before.usage.input_tokens + before.usage.output_tokens - 1
+    _flush(a)
+    assert b.client().responses.retrieve(third.id).output_text == third.output_text
+    with pytest.raises(Exception) as e:  # another tenant sees none of it, on either replica
+        b.client("tok-beta").responses.retrieve(third.id)
+    assert getattr(e.value, "status_code", None) == 404
