@@ -61,8 +61,8 @@ def test_exact_match_scoring():
 @pytest.mark.slow
 def test_harness_sees_equality_and_loss(tmp_path):
     out = tmp_path / "aq.json"
-    d = agent_quality.main(["--size", "tiny", "--samples", "3", "--methods", "snapkv",
-                            "--budgets", "100000,16", "--prunes", "none", "--once-method", "snapkv",
+    d = agent_quality.main(["--size", "test", "--samples", "3", "--methods", "snapkv",
+                            "--budgets", "100000,16", "--prunes", "none", "--once-method", "",
                             "--calibrate", "0", "--device", "cpu", "--kv-cache-gb", "0.5", "--out", str(out)])
     assert json.loads(out.read_text())["rows"] == d["rows"]
     rows = {(r["config"], r["family"], r["size"]): r for r in d["rows"]}
@@ -77,7 +77,6 @@ def test_harness_sees_equality_and_loss(tmp_path):
         # a budget that holds the whole session: dense's answers, nothing evicted
         full = rows[("snapkv@100000tok", fam, size)]
         assert full["agreement"] == 1.0 and full["kv_fraction"] == 1.0, (fam, size)
-        assert rows[("snapkv@100000tok/once", fam, size)]["agreement"] == 1.0
         # 16 tokens per head: a loss the harness must see
         tiny = rows[("snapkv@16tok", fam, size)]
         assert tiny["accuracy"] < ref["accuracy"] and tiny["kv_fraction"] < 0.5, (fam, size)
