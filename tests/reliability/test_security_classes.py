@@ -169,7 +169,7 @@ def test_fuzzed_sampling_fields_never_stop_the_replica(smol_engine, reliability_
 
     try:
         check()
-        assert serving(channel) and srv.server.engine_loop.failed is None
+        assert serving(channel) and srv.server.client.failed is None
     finally:
         channel.close()
         srv.stop(grace=2)
