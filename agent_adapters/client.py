@@ -37,8 +37,17 @@ from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
 
 import grpc
 
-from agent_adapters.messages import (ChatMessage, MessageLike, TextDelta, ToolCall, ToolLike, TurnEvent, TurnResult,
-                                     as_message, as_tool)
+from agent_adapters.messages import (
+    ChatMessage,
+    MessageLike,
+    TextDelta,
+    ToolCall,
+    ToolLike,
+    TurnEvent,
+    TurnResult,
+    as_message,
+    as_tool,
+)
 from agent_adapters.output_format import OUTPUT_FIELDS, response_format_proto, tool_choice_proto
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
@@ -133,20 +142,30 @@ def _final_result(result: TurnResult | None) -> TurnResult:
     return result
 
 
-def build_turn_request(session_id: str, messages: Iterable[MessageLike], *, tools: Sequence[ToolLike] = (),
-                       request_id: str | None = None, expected_turn_index: int | None = None,
-                       **options: Any) -> pb.TurnRequest:
+def build_turn_request(
+    session_id: str,
+    messages: Iterable[MessageLike],
+    *,
+    tools: Sequence[ToolLike] = (),
+    request_id: str | None = None,
+    expected_turn_index: int | None = None,
+    **options: Any,
+) -> pb.TurnRequest:
     """A TurnRequest; ``options`` are the sampling fields (max_tokens, temperature, top_k, top_p,
     seed, stop, ignore_eos) and the session's method fields (method, budget, budget_ratio,
     method_args, shared_prefix_messages) and the output fields (response_format, tool_choice: see
     ``agent_adapters.output_format``). None values are left unset (the server's defaults)."""
     unknown = set(options) - set(SAMPLING_FIELDS) - set(METHOD_FIELDS) - set(OUTPUT_FIELDS)
     if unknown:
-        raise TypeError(f"unknown Turn option(s) {sorted(unknown)}; known: "
-                        f"{SAMPLING_FIELDS + METHOD_FIELDS + OUTPUT_FIELDS}")
-    req = pb.TurnRequest(session_id=session_id, request_id=uuid.uuid4().hex if request_id is None else request_id,
-                         messages=[as_message(m).to_proto() for m in messages],
-                         tools=[as_tool(t).to_proto() for t in tools])
+        raise TypeError(
+            f"unknown Turn option(s) {sorted(unknown)}; known: {SAMPLING_FIELDS + METHOD_FIELDS + OUTPUT_FIELDS}"
+        )
+    req = pb.TurnRequest(
+        session_id=session_id,
+        request_id=uuid.uuid4().hex if request_id is None else request_id,
+        messages=[as_message(m).to_proto() for m in messages],
+        tools=[as_tool(t).to_proto() for t in tools],
+    )
     if expected_turn_index is not None:
         req.expected_turn_index = expected_turn_index
     for key, value in options.items():
@@ -189,8 +208,9 @@ class _Resume:
             k, self._calls = self._calls, self._calls + 1
             if k < len(self.calls):
                 if (self.calls[k].name, self.calls[k].arguments) != (call.name, call.arguments):
-                    raise StreamDiverged(grpc.StatusCode.DATA_LOSS, "the retried turn made a different tool call",
-                                         self.attempts)
+                    raise StreamDiverged(
+                        grpc.StatusCode.DATA_LOSS, "the retried turn made a different tool call", self.attempts
+                    )
                 return []
             self.calls.append(call)
             return [call]
@@ -207,8 +227,11 @@ class _Resume:
         else:
             ok, new = attempt_value[:n] == delivered, attempt_value[n:]
         if not ok:
-            raise StreamDiverged(grpc.StatusCode.DATA_LOSS, "the retried turn re-ran and its reply differs from the "
-                                 "part already delivered", self.attempts)
+            raise StreamDiverged(
+                grpc.StatusCode.DATA_LOSS,
+                "the retried turn re-ran and its reply differs from the part already delivered",
+                self.attempts,
+            )
         if len(new):
             if what == "text":
                 self.text = attempt_value
@@ -218,15 +241,25 @@ class _Resume:
 
 
 def _channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    return [("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 2000)]
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+    ]
 
 
 class _Base:
-    def __init__(self, target: str, token: str | None, tls_ca: str | None, timeout_s: float | None,
-                 retry: RetryPolicy | None, max_message_bytes: int):
+    def __init__(
+        self,
+        target: str,
+        token: str | None,
+        tls_ca: str | None,
+        timeout_s: float | None,
+        retry: RetryPolicy | None,
+        max_message_bytes: int,
+    ):
         self.target = target
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.timeout_s = timeout_s
@@ -251,13 +284,23 @@ class _Base:
 class ChainKVClient(_Base):
     """Blocking client. Thread-safe (one gRPC channel)."""
 
-    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None, tls_ca: str | None = None,
-                 timeout_s: float | None = 300.0, retry: RetryPolicy | None = None,
-                 max_message_bytes: int = 4 * 2**20):
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        timeout_s: float | None = 300.0,
+        retry: RetryPolicy | None = None,
+        max_message_bytes: int = 4 * 2**20,
+    ):
         super().__init__(target, token, tls_ca, timeout_s, retry, max_message_bytes)
         creds = self._credentials()
-        self.channel = (grpc.secure_channel(target, creds, options=self._options) if creds is not None
-                        else grpc.insecure_channel(target, options=self._options))
+        self.channel = (
+            grpc.secure_channel(target, creds, options=self._options)
+            if creds is not None
+            else grpc.insecure_channel(target, options=self._options)
+        )
         self.stub = sidecar_pb2_grpc.SidecarStub(self.channel)
 
     def close(self) -> None:
@@ -270,12 +313,21 @@ class ChainKVClient(_Base):
         self.close()
 
     # --- Turn ----------------------------------------------------------------------------------
-    def stream_turn(self, session_id: str, messages: Iterable[MessageLike], *, tools: Sequence[ToolLike] = (),
-                    request_id: str | None = None, expected_turn_index: int | None = None,
-                    timeout_s: float | None = None, **options: Any) -> Iterator[TurnEvent]:
+    def stream_turn(
+        self,
+        session_id: str,
+        messages: Iterable[MessageLike],
+        *,
+        tools: Sequence[ToolLike] = (),
+        request_id: str | None = None,
+        expected_turn_index: int | None = None,
+        timeout_s: float | None = None,
+        **options: Any,
+    ) -> Iterator[TurnEvent]:
         """Run one turn, yielding TextDelta and ToolCall events as they arrive, then the TurnResult."""
-        req = build_turn_request(session_id, messages, tools=tools, request_id=request_id,
-                                 expected_turn_index=expected_turn_index, **options)
+        req = build_turn_request(
+            session_id, messages, tools=tools, request_id=request_id, expected_turn_index=expected_turn_index, **options
+        )
         return self._stream(req, self._turn_attempts(req, timeout_s))
 
     def _stream(self, req: pb.TurnRequest, attempts: _Attempts) -> Iterator[TurnEvent]:
@@ -312,18 +364,25 @@ class ChainKVClient(_Base):
     def get_session(self, session_id: str, timeout_s: float | None = None) -> pb.Session:
         return self._unary("GetSession", pb.GetSessionRequest(session_id=session_id), timeout_s)
 
-    def resume(self, session_id: str, expected_turn_index: int | None = None, timeout_s: float | None = None) -> pb.Session:
+    def resume(
+        self, session_id: str, expected_turn_index: int | None = None, timeout_s: float | None = None
+    ) -> pb.Session:
         req = pb.ResumeRequest(session_id=session_id)
         if expected_turn_index is not None:
             req.expected_turn_index = expected_turn_index
         return self._unary("Resume", req, timeout_s)
 
-    def end_session(self, session_id: str, keep_snapshot: bool = False, timeout_s: float | None = None) -> pb.EndSessionResponse:
-        return self._unary("EndSession", pb.EndSessionRequest(session_id=session_id, keep_snapshot=keep_snapshot), timeout_s)
+    def end_session(
+        self, session_id: str, keep_snapshot: bool = False, timeout_s: float | None = None
+    ) -> pb.EndSessionResponse:
+        return self._unary(
+            "EndSession", pb.EndSessionRequest(session_id=session_id, keep_snapshot=keep_snapshot), timeout_s
+        )
 
     def fork_session(self, session_id: str, new_session_id: str, timeout_s: float | None = None) -> pb.Session:
-        return self._unary("ForkSession", pb.ForkSessionRequest(session_id=session_id, new_session_id=new_session_id),
-                           timeout_s)
+        return self._unary(
+            "ForkSession", pb.ForkSessionRequest(session_id=session_id, new_session_id=new_session_id), timeout_s
+        )
 
     def prune_history(self, request: pb.PruneHistoryRequest, timeout_s: float | None = None) -> pb.PruneHistoryResponse:
         return self._unary("PruneHistory", request, timeout_s)
@@ -335,13 +394,23 @@ class ChainKVClient(_Base):
 class AsyncChainKVClient(_Base):
     """asyncio client (grpc.aio); create and use it on one event loop."""
 
-    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None, tls_ca: str | None = None,
-                 timeout_s: float | None = 300.0, retry: RetryPolicy | None = None,
-                 max_message_bytes: int = 4 * 2**20):
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        timeout_s: float | None = 300.0,
+        retry: RetryPolicy | None = None,
+        max_message_bytes: int = 4 * 2**20,
+    ):
         super().__init__(target, token, tls_ca, timeout_s, retry, max_message_bytes)
         creds = self._credentials()
-        self.channel = (grpc.aio.secure_channel(target, creds, options=self._options) if creds is not None
-                        else grpc.aio.insecure_channel(target, options=self._options))
+        self.channel = (
+            grpc.aio.secure_channel(target, creds, options=self._options)
+            if creds is not None
+            else grpc.aio.insecure_channel(target, options=self._options)
+        )
         self.stub = sidecar_pb2_grpc.SidecarStub(self.channel)
 
     async def close(self) -> None:
@@ -353,11 +422,20 @@ class AsyncChainKVClient(_Base):
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def stream_turn(self, session_id: str, messages: Iterable[MessageLike], *, tools: Sequence[ToolLike] = (),
-                          request_id: str | None = None, expected_turn_index: int | None = None,
-                          timeout_s: float | None = None, **options: Any) -> AsyncIterator[TurnEvent]:
-        req = build_turn_request(session_id, messages, tools=tools, request_id=request_id,
-                                 expected_turn_index=expected_turn_index, **options)
+    async def stream_turn(
+        self,
+        session_id: str,
+        messages: Iterable[MessageLike],
+        *,
+        tools: Sequence[ToolLike] = (),
+        request_id: str | None = None,
+        expected_turn_index: int | None = None,
+        timeout_s: float | None = None,
+        **options: Any,
+    ) -> AsyncIterator[TurnEvent]:
+        req = build_turn_request(
+            session_id, messages, tools=tools, request_id=request_id, expected_turn_index=expected_turn_index, **options
+        )
         attempts = self._turn_attempts(req, timeout_s)
         resume = _Resume()
         while True:
@@ -391,17 +469,31 @@ class AsyncChainKVClient(_Base):
     async def get_session(self, session_id: str, timeout_s: float | None = None) -> pb.Session:
         return await self._unary("GetSession", pb.GetSessionRequest(session_id=session_id), timeout_s)
 
-    async def end_session(self, session_id: str, keep_snapshot: bool = False,
-                          timeout_s: float | None = None) -> pb.EndSessionResponse:
-        return await self._unary("EndSession", pb.EndSessionRequest(session_id=session_id, keep_snapshot=keep_snapshot),
-                                 timeout_s)
+    async def end_session(
+        self, session_id: str, keep_snapshot: bool = False, timeout_s: float | None = None
+    ) -> pb.EndSessionResponse:
+        return await self._unary(
+            "EndSession", pb.EndSessionRequest(session_id=session_id, keep_snapshot=keep_snapshot), timeout_s
+        )
 
-    async def prune_history(self, request: pb.PruneHistoryRequest, timeout_s: float | None = None) -> pb.PruneHistoryResponse:
+    async def prune_history(
+        self, request: pb.PruneHistoryRequest, timeout_s: float | None = None
+    ) -> pb.PruneHistoryResponse:
         return await self._unary("PruneHistory", request, timeout_s)
 
     async def server_info(self, timeout_s: float | None = None) -> pb.ServerInfo:
         return await self._unary("GetServerInfo", pb.GetServerInfoRequest(), timeout_s)
 
 
-__all__ = ["AsyncChainKVClient", "ChainKVClient", "ChainKVError", "ChatMessage", "RetryPolicy", "StreamDiverged",
-           "TextDelta", "ToolCall", "TurnResult", "build_turn_request"]
+__all__ = [
+    "AsyncChainKVClient",
+    "ChainKVClient",
+    "ChainKVError",
+    "ChatMessage",
+    "RetryPolicy",
+    "StreamDiverged",
+    "TextDelta",
+    "ToolCall",
+    "TurnResult",
+    "build_turn_request",
+]

@@ -17,33 +17,47 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 
 import grpc
 
-from agent_adapters.client import (METHOD_FIELDS, AsyncChainKVClient, ChainKVClient, ChainKVError, RetryPolicy)
+from agent_adapters.client import METHOD_FIELDS, AsyncChainKVClient, ChainKVClient, ChainKVError, RetryPolicy
 from agent_adapters.ledger import Plan, SessionLedger
 from agent_adapters.messages import ChatMessage, ToolSpec, TurnEvent, TurnResult
 
 
 class Conversations:
-    def __init__(self, target: str, *, token: str | None = None, tls_ca: str | None = None,
-                 timeout_s: float | None = 300.0, retry: RetryPolicy | None = None):
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        timeout_s: float | None = 300.0,
+        retry: RetryPolicy | None = None,
+    ):
         self.target, self.token, self.tls_ca, self.timeout_s, self.retry = target, token, tls_ca, timeout_s, retry
         self.ledger = SessionLedger()
         self._client: ChainKVClient | None = None
-        self._aclients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncChainKVClient]" = \
+        self._aclients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncChainKVClient]" = (
             weakref.WeakKeyDictionary()
+        )
 
     @classmethod
     def from_settings(cls, settings) -> "Conversations":
         """From an adapter's connection fields (``target``, ``token``, ``tls_ca``, ``timeout_s``,
         ``max_retries``: the same names in every adapter)."""
-        return cls(settings.target, token=settings.token, tls_ca=settings.tls_ca, timeout_s=settings.timeout_s,
-                   retry=RetryPolicy(max_attempts=settings.max_retries + 1))
+        return cls(
+            settings.target,
+            token=settings.token,
+            tls_ca=settings.tls_ca,
+            timeout_s=settings.timeout_s,
+            retry=RetryPolicy(max_attempts=settings.max_retries + 1),
+        )
 
     # --- clients --------------------------------------------------------------------------------
     @property
     def client(self) -> ChainKVClient:
         if self._client is None:
-            self._client = ChainKVClient(self.target, token=self.token, tls_ca=self.tls_ca, timeout_s=self.timeout_s,
-                                         retry=self.retry)
+            self._client = ChainKVClient(
+                self.target, token=self.token, tls_ca=self.tls_ca, timeout_s=self.timeout_s, retry=self.retry
+            )
         return self._client
 
     def aclient(self) -> AsyncChainKVClient:
@@ -51,8 +65,9 @@ class Conversations:
         loop = asyncio.get_running_loop()
         c = self._aclients.get(loop)
         if c is None:
-            c = self._aclients[loop] = AsyncChainKVClient(self.target, token=self.token, tls_ca=self.tls_ca,
-                                                          timeout_s=self.timeout_s, retry=self.retry)
+            c = self._aclients[loop] = AsyncChainKVClient(
+                self.target, token=self.token, tls_ca=self.tls_ca, timeout_s=self.timeout_s, retry=self.retry
+            )
         return c
 
     def close(self) -> None:
@@ -76,8 +91,9 @@ class Conversations:
         return opts
 
     # --- sync -------------------------------------------------------------------------------------
-    def stream(self, key: str | None, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = (),
-               **options: Any) -> Iterator[TurnEvent]:
+    def stream(
+        self, key: str | None, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = (), **options: Any
+    ) -> Iterator[TurnEvent]:
         plan = self._plan(key, messages)
         if not plan.known and self._exists(plan.session_id):
             plan = self.ledger.rotate(plan)
@@ -108,14 +124,17 @@ class Conversations:
             pass
 
     # --- asyncio ------------------------------------------------------------------------------------
-    async def astream(self, key: str | None, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = (),
-                      **options: Any) -> AsyncIterator[TurnEvent]:
+    async def astream(
+        self, key: str | None, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = (), **options: Any
+    ) -> AsyncIterator[TurnEvent]:
         client = self.aclient()
         plan = self._plan(key, messages)
         if not plan.known and await self._aexists(client, plan.session_id):
             plan = self.ledger.rotate(plan)
         try:
-            async for event in client.stream_turn(plan.session_id, plan.messages, **self._options(plan, tools, options)):
+            async for event in client.stream_turn(
+                plan.session_id, plan.messages, **self._options(plan, tools, options)
+            ):
                 if isinstance(event, TurnResult) and key is not None:
                     self.ledger.record(plan, event)
                     if plan.replaces:

@@ -30,8 +30,15 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LanguageModelInput
 from langchain_core.language_models.chat_models import BaseChatModel
-from langchain_core.messages import (AIMessage, AIMessageChunk, BaseMessage, ChatMessage as LCChatMessage,
-                                     HumanMessage, SystemMessage, ToolMessage)
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage as LCChatMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
 from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
@@ -45,6 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from agent_adapters.conversation import Conversations
 from agent_adapters.messages import ChatMessage, TextDelta, ToolCall, ToolSpec, TurnResult, as_tool
 from agent_adapters.output_format import named_tool_choice
+
 
 def _text(content: Any) -> str:
     if isinstance(content, str):
@@ -73,22 +81,33 @@ def to_chat_message(m: BaseMessage) -> ChatMessage:
         raise ValueError(f"chainkv cannot send a {type(m).__name__}; use system, human, ai or tool messages")
     if isinstance(m, ToolMessage):
         return ChatMessage("tool", _text(m.content), name=m.name or "", tool_call_id=m.tool_call_id or "")
-    calls = tuple(ToolCall(c.get("id") or "", c["name"], dict(c.get("args") or {}))
-                  for c in getattr(m, "tool_calls", None) or [])
+    calls = tuple(
+        ToolCall(c.get("id") or "", c["name"], dict(c.get("args") or {})) for c in getattr(m, "tool_calls", None) or []
+    )
     return ChatMessage(role, _text(m.content), tool_calls=calls)
 
 
 def _usage_metadata(r: TurnResult) -> dict[str, Any]:
     u = r.usage
     context = max(0, u.history_tokens - u.generated_tokens)
-    return {"input_tokens": context, "output_tokens": u.generated_tokens, "total_tokens": context + u.generated_tokens,
-            "input_token_details": {"cache_read": u.reused_tokens}}
+    return {
+        "input_tokens": context,
+        "output_tokens": u.generated_tokens,
+        "total_tokens": context + u.generated_tokens,
+        "input_token_details": {"cache_read": u.reused_tokens},
+    }
 
 
 def _response_metadata(r: TurnResult, model: str) -> dict[str, Any]:
-    return {"finish_reason": r.finish_reason, "model_name": model, "session_id": r.session_id,
-            "request_id": r.request_id, "turn_index": r.turn_index, "replayed": r.replayed,
-            "chainkv_usage": r.usage.as_dict()}
+    return {
+        "finish_reason": r.finish_reason,
+        "model_name": model,
+        "session_id": r.session_id,
+        "request_id": r.request_id,
+        "turn_index": r.turn_index,
+        "replayed": r.replayed,
+        "chainkv_usage": r.usage.as_dict(),
+    }
 
 
 def _lc_tool_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
@@ -139,13 +158,23 @@ class ChatChainKV(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"target": self.target, "model_name": self.model_name, "method": self.method, "budget": self.budget,
-                "max_tokens": self.max_tokens, "temperature": self.temperature}
+        return {
+            "target": self.target,
+            "model_name": self.model_name,
+            "method": self.method,
+            "budget": self.budget,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+        }
 
     # --- tools -------------------------------------------------------------------------------------------
-    def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool], *,
-                   tool_choice: str | bool | dict[str, Any] | None = None,
-                   **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
+        *,
+        tool_choice: str | bool | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind tools; ``tool_choice``: None or "auto" (the model decides), "none", "required" (or
         "any", True: one call to one of the tools), a tool's name or ``{"type": "function",
         "function": {"name": ...}}`` (one call to that tool). A forced call is decoded under a grammar,
@@ -155,9 +184,15 @@ class ChatChainKV(BaseChatModel):
             kwargs["tool_choice"] = named_tool_choice(tool_choice, [t.name for t in specs])
         return super().bind(tools=specs, **kwargs)
 
-    def with_structured_output(self, schema: dict[str, Any] | type, *, include_raw: bool = False,
-                               method: str = "function_calling", strict: bool | None = None,
-                               **kwargs: Any) -> Runnable[LanguageModelInput, dict | BaseModel]:
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type,
+        *,
+        include_raw: bool = False,
+        method: str = "function_calling",
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict | BaseModel]:
         """Replies parsed into ``schema`` (a pydantic class, a TypedDict, a JSON Schema or an OpenAI
         tool dict). ``method``: "function_calling" (one forced call to a tool of that schema) or
         "json_schema" (the reply itself is JSON under the schema, through ``response_format``) or
@@ -175,8 +210,9 @@ class ChatChainKV(BaseChatModel):
         else:
             fn = convert_to_openai_tool(schema)["function"]
             fmt = {"type": "json_schema", "json_schema": {"name": fn["name"], "schema": fn.get("parameters") or {}}}
-        llm = self.bind(response_format=fmt, ls_structured_output_format={
-            "kwargs": {"method": method}, "schema": schema})
+        llm = self.bind(
+            response_format=fmt, ls_structured_output_format={"kwargs": {"method": method}, "schema": schema}
+        )
         parser = PydanticOutputParser(pydantic_object=pydantic_cls) if pydantic_cls else JsonOutputParser()
         if not include_raw:
             return llm | parser
@@ -192,20 +228,44 @@ class ChatChainKV(BaseChatModel):
                 kwargs["session_id"] = str(thread)
         return kwargs
 
-    def invoke(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None,
-               **kwargs: Any) -> AIMessage:
+    def invoke(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> AIMessage:
         return super().invoke(input, config, stop=stop, **self._with_key(config, kwargs))
 
-    async def ainvoke(self, input: LanguageModelInput, config: RunnableConfig | None = None, *,
-                      stop: list[str] | None = None, **kwargs: Any) -> AIMessage:
+    async def ainvoke(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> AIMessage:
         return await super().ainvoke(input, config, stop=stop, **self._with_key(config, kwargs))
 
-    def stream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None,
-               **kwargs: Any) -> Iterator[AIMessageChunk]:
+    def stream(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Iterator[AIMessageChunk]:
         return super().stream(input, config, stop=stop, **self._with_key(config, kwargs))
 
-    def astream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *,
-                stop: list[str] | None = None, **kwargs: Any) -> AsyncIterator[AIMessageChunk]:
+    def astream(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[AIMessageChunk]:
         return super().astream(input, config, stop=stop, **self._with_key(config, kwargs))
 
     def _key(self, kwargs: dict[str, Any], run_manager) -> str | None:
@@ -220,11 +280,21 @@ class ChatChainKV(BaseChatModel):
         kwargs = dict(kwargs)
         key = self._key(kwargs, run_manager)
         tools: list[ToolSpec] = list(kwargs.pop("tools", []) or [])
-        options = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k,
-                   "top_p": self.top_p, "seed": self.seed, "stop": stop if stop is not None else self.stop,
-                   "method": self.method, "budget": self.budget, "budget_ratio": self.budget_ratio,
-                   "method_args": self.method_args or None, "response_format": None, "tool_choice": None,
-                   "timeout_s": None}
+        options = {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": stop if stop is not None else self.stop,
+            "method": self.method,
+            "budget": self.budget,
+            "budget_ratio": self.budget_ratio,
+            "method_args": self.method_args or None,
+            "response_format": None,
+            "tool_choice": None,
+            "timeout_s": None,
+        }
         if "timeout" in kwargs:
             kwargs["timeout_s"] = kwargs.pop("timeout")
         options.update({k: v for k, v in kwargs.items() if k in options})
@@ -232,23 +302,43 @@ class ChatChainKV(BaseChatModel):
 
     # --- generation ----------------------------------------------------------------------------------
     def _result(self, r: TurnResult) -> ChatResult:
-        msg = AIMessage(content=r.text, tool_calls=_lc_tool_calls(r.tool_calls), usage_metadata=_usage_metadata(r),
-                        response_metadata=_response_metadata(r, self.model_name))
+        msg = AIMessage(
+            content=r.text,
+            tool_calls=_lc_tool_calls(r.tool_calls),
+            usage_metadata=_usage_metadata(r),
+            response_metadata=_response_metadata(r, self.model_name),
+        )
         return ChatResult(generations=[ChatGeneration(message=msg)])
 
     def _chunk(self, event, k: int) -> ChatGenerationChunk:
         if isinstance(event, TextDelta):
             return ChatGenerationChunk(message=AIMessageChunk(content=event.text))
         if isinstance(event, ToolCall):
-            return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[tool_call_chunk(
-                name=event.name, args=json.dumps(event.arguments), id=event.id, index=k)]))
-        return ChatGenerationChunk(message=AIMessageChunk(
-            content="", usage_metadata=_usage_metadata(event), chunk_position="last",
-            response_metadata=_response_metadata(event, self.model_name)),
-            generation_info={"finish_reason": event.finish_reason})
+            return ChatGenerationChunk(
+                message=AIMessageChunk(
+                    content="",
+                    tool_call_chunks=[
+                        tool_call_chunk(name=event.name, args=json.dumps(event.arguments), id=event.id, index=k)
+                    ],
+                )
+            )
+        return ChatGenerationChunk(
+            message=AIMessageChunk(
+                content="",
+                usage_metadata=_usage_metadata(event),
+                chunk_position="last",
+                response_metadata=_response_metadata(event, self.model_name),
+            ),
+            generation_info={"finish_reason": event.finish_reason},
+        )
 
-    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         key, msgs, tools, options = self._call_args(messages, stop, kwargs, run_manager)
         result = None
         for event in self.conversations.stream(key, msgs, tools, **options):
@@ -258,8 +348,13 @@ class ChatChainKV(BaseChatModel):
                 run_manager.on_llm_new_token(event.text)
         return self._result(result)
 
-    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
         key, msgs, tools, options = self._call_args(messages, stop, kwargs, run_manager)
         calls = 0
         for event in self.conversations.stream(key, msgs, tools, **options):
@@ -269,8 +364,13 @@ class ChatChainKV(BaseChatModel):
                 run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
 
-    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         key, msgs, tools, options = self._call_args(messages, stop, kwargs, run_manager)
         result = None
         async for event in self.conversations.astream(key, msgs, tools, **options):
@@ -280,9 +380,13 @@ class ChatChainKV(BaseChatModel):
                 await run_manager.on_llm_new_token(event.text)
         return self._result(result)
 
-    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
-                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
         key, msgs, tools, options = self._call_args(messages, stop, kwargs, run_manager)
         calls = 0
         async for event in self.conversations.astream(key, msgs, tools, **options):

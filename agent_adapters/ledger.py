@@ -85,8 +85,11 @@ class SessionLedger:
             n = len(e.seen)
             if fps[:n] == e.seen and len(fps) > n:
                 return Plan(key, e.session_id, list(messages[n:]), False, True, fps, e.turns)
-            log.warning("conversation %r does not extend what session %r holds; continuing on a fresh session",
-                        key, e.session_id)
+            log.warning(
+                "conversation %r does not extend what session %r holds; continuing on a fresh session",
+                key,
+                e.session_id,
+            )
             return self._fresh(key, messages, fps, replaces=e.session_id)
         return Plan(key, session_id_for(key), list(messages), True, False, fps)
 
@@ -96,16 +99,21 @@ class SessionLedger:
 
     def rotate(self, plan: Plan) -> Plan:
         """The sidecar already holds ``plan.session_id`` with a history this process did not write."""
-        log.warning("session %r exists on the sidecar with a history this client did not record; "
-                    "continuing conversation %r on a fresh session", plan.session_id, plan.key)
+        log.warning(
+            "session %r exists on the sidecar with a history this client did not record; "
+            "continuing conversation %r on a fresh session",
+            plan.session_id,
+            plan.key,
+        )
         return self._fresh(plan.key, plan.messages, plan.fingerprints)
 
     def record(self, plan: Plan, result: TurnResult) -> None:
         """The turn finished: the session now holds the messages and its reply."""
         reply = ChatMessage("assistant", result.text, tool_calls=result.tool_calls)
         with self._lock:
-            self._entries[plan.key] = _Entry(plan.session_id, plan.fingerprints + [fingerprint(reply)],
-                                             result.turn_index + 1)
+            self._entries[plan.key] = _Entry(
+                plan.session_id, plan.fingerprints + [fingerprint(reply)], result.turn_index + 1
+            )
 
     def session_of(self, key: str) -> str | None:
         with self._lock:

@@ -30,10 +30,19 @@ from __future__ import annotations
 import json
 from typing import Any, AsyncGenerator, Generator, Sequence
 
-from llama_index.core.base.llms.types import (ChatMessage as LIMessage, ChatResponse, ChatResponseAsyncGen,
-                                              ChatResponseGen, CompletionResponse, CompletionResponseAsyncGen,
-                                              CompletionResponseGen, LLMMetadata, MessageRole, TextBlock,
-                                              ToolCallBlock)
+from llama_index.core.base.llms.types import (
+    ChatMessage as LIMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+    TextBlock,
+    ToolCallBlock,
+)
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
@@ -45,14 +54,22 @@ from agent_adapters.output_format import named_tool_choice
 
 
 def _tool_calls_of(m: LIMessage) -> tuple[ToolCall, ...]:
-    calls = [ToolCall(b.tool_call_id or "", b.tool_name,
-                      json.loads(b.tool_kwargs) if isinstance(b.tool_kwargs, str) else dict(b.tool_kwargs))
-             for b in m.blocks if isinstance(b, ToolCallBlock)]
+    calls = [
+        ToolCall(
+            b.tool_call_id or "",
+            b.tool_name,
+            json.loads(b.tool_kwargs) if isinstance(b.tool_kwargs, str) else dict(b.tool_kwargs),
+        )
+        for b in m.blocks
+        if isinstance(b, ToolCallBlock)
+    ]
     if not calls:
         for c in m.additional_kwargs.get("tool_calls") or []:
             fn = c.get("function", c)
             args = fn.get("arguments", {})
-            calls.append(ToolCall(c.get("id", ""), fn["name"], json.loads(args) if isinstance(args, str) else dict(args)))
+            calls.append(
+                ToolCall(c.get("id", ""), fn["name"], json.loads(args) if isinstance(args, str) else dict(args))
+            )
     return tuple(calls)
 
 
@@ -61,22 +78,40 @@ def to_chat_message(m: LIMessage) -> ChatMessage:
     role = {"chatbot": "assistant", "model": "assistant", "developer": "system", "function": "tool"}.get(role, role)
     text = "".join(b.text for b in m.blocks if isinstance(b, TextBlock))
     if role == "tool":
-        return ChatMessage("tool", text, name=m.additional_kwargs.get("name", "") or "",
-                           tool_call_id=m.additional_kwargs.get("tool_call_id", "") or "")
+        return ChatMessage(
+            "tool",
+            text,
+            name=m.additional_kwargs.get("name", "") or "",
+            tool_call_id=m.additional_kwargs.get("tool_call_id", "") or "",
+        )
     return ChatMessage(role, text, tool_calls=_tool_calls_of(m) if role == "assistant" else ())
 
 
 def _message(text: str, calls: Sequence[ToolCall]) -> LIMessage:
     blocks: list[Any] = [TextBlock(text=text)] if text else []
     blocks += [ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=dict(c.arguments)) for c in calls]
-    extra = {"tool_calls": [{"id": c.id, "type": "function",
-                             "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]} if calls else {}
+    extra = (
+        {
+            "tool_calls": [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                for c in calls
+            ]
+        }
+        if calls
+        else {}
+    )
     return LIMessage(role=MessageRole.ASSISTANT, blocks=blocks, additional_kwargs=extra)
 
 
 def _raw(r: TurnResult) -> dict[str, Any]:
-    return {"session_id": r.session_id, "request_id": r.request_id, "turn_index": r.turn_index,
-            "finish_reason": r.finish_reason, "replayed": r.replayed, "usage": r.usage.as_dict()}
+    return {
+        "session_id": r.session_id,
+        "request_id": r.request_id,
+        "turn_index": r.turn_index,
+        "finish_reason": r.finish_reason,
+        "replayed": r.replayed,
+        "usage": r.usage.as_dict(),
+    }
 
 
 class _StreamedChat:
@@ -136,20 +171,33 @@ class ChainKVLLM(FunctionCallingLLM):
         if (self.context_window is None or self.model_name is None or self.max_tokens is None) and self._info is None:
             self._info = self.conversations.client.server_info()
         info = self._info
-        return LLMMetadata(context_window=self.context_window or info.max_model_len,
-                           num_output=self.max_tokens or info.default_max_tokens,
-                           is_chat_model=True, is_function_calling_model=True,
-                           model_name=self.model_name or info.model)
+        return LLMMetadata(
+            context_window=self.context_window or info.max_model_len,
+            num_output=self.max_tokens or info.default_max_tokens,
+            is_chat_model=True,
+            is_function_calling_model=True,
+            model_name=self.model_name or info.model,
+        )
 
     # --- plumbing --------------------------------------------------------------------------------------
     def _args(self, messages: Sequence[LIMessage], kwargs: dict[str, Any]):
         kwargs = dict(kwargs)
         key = kwargs.pop("session_id", self.session_id)
         tools: list[ToolSpec] = list(kwargs.pop("tools", None) or [])
-        options = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k,
-                   "top_p": self.top_p, "seed": self.seed, "stop": self.stop, "method": self.method,
-                   "budget": self.budget, "budget_ratio": self.budget_ratio, "method_args": self.method_args or None,
-                   "response_format": None, "tool_choice": None}
+        options = {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": self.stop,
+            "method": self.method,
+            "budget": self.budget,
+            "budget_ratio": self.budget_ratio,
+            "method_args": self.method_args or None,
+            "response_format": None,
+            "tool_choice": None,
+        }
         options.update({k: v for k, v in kwargs.items() if k in options})
         return key, [to_chat_message(m) for m in messages], tools, options
 
@@ -232,13 +280,21 @@ class ChainKVLLM(FunctionCallingLLM):
         return gen()
 
     # --- function calling ----------------------------------------------------------------------------------
-    def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | LIMessage | None = None,
-                                 chat_history: list[LIMessage] | None = None, verbose: bool = False,
-                                 allow_parallel_tool_calls: bool = False, tool_required: bool = False,
-                                 **kwargs: Any) -> dict[str, Any]:
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[Any],
+        user_msg: str | LIMessage | None = None,
+        chat_history: list[LIMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
         messages = list(chat_history or [])
         if user_msg is not None:
-            messages.append(LIMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str) else user_msg)
+            messages.append(
+                LIMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str) else user_msg
+            )
         specs = [as_tool(t.metadata.to_openai_tool()) for t in tools]
         choice = kwargs.pop("tool_choice", None)
         if choice is None and tool_required:
@@ -247,8 +303,9 @@ class ChainKVLLM(FunctionCallingLLM):
             kwargs["tool_choice"] = named_tool_choice(choice, [t.name for t in specs])
         return {"messages": messages, "tools": specs, **kwargs}
 
-    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
-                                     **kwargs: Any) -> list[ToolSelection]:
+    def get_tool_calls_from_response(
+        self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
+    ) -> list[ToolSelection]:
         calls = _tool_calls_of(response.message)
         if not calls and error_on_no_tool_call:
             raise ValueError(f"expected at least one tool call in the reply, got: {response.message.content!r}")

@@ -14,10 +14,20 @@ from typing import Any, Mapping, Union
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 
-FINISH_REASONS = {pb.FINISH_REASON_UNSPECIFIED: "unspecified", pb.FINISH_REASON_STOP: "stop",
-                  pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_TOOL_CALLS: "tool_calls"}
-TIERS = {pb.TIER_UNSPECIFIED: "unspecified", pb.TIER_NEW: "new", pb.TIER_GPU: "gpu", pb.TIER_HOST: "host",
-         pb.TIER_STORE: "store", pb.TIER_RECOMPUTE: "recompute"}
+FINISH_REASONS = {
+    pb.FINISH_REASON_UNSPECIFIED: "unspecified",
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
+}
+TIERS = {
+    pb.TIER_UNSPECIFIED: "unspecified",
+    pb.TIER_NEW: "new",
+    pb.TIER_GPU: "gpu",
+    pb.TIER_HOST: "host",
+    pb.TIER_STORE: "store",
+    pb.TIER_RECOMPUTE: "recompute",
+}
 
 
 @dataclass(frozen=True)
@@ -53,8 +63,13 @@ class ChatMessage:
     """role ``assistant``: calls in a reply the client supplies."""
 
     def to_proto(self) -> pb.Message:
-        return pb.Message(role=self.role, content=self.content, name=self.name, tool_call_id=self.tool_call_id,
-                          tool_calls=[c.to_proto() for c in self.tool_calls])
+        return pb.Message(
+            role=self.role,
+            content=self.content,
+            name=self.name,
+            tool_call_id=self.tool_call_id,
+            tool_calls=[c.to_proto() for c in self.tool_calls],
+        )
 
 
 @dataclass(frozen=True)
@@ -65,8 +80,11 @@ class ToolSpec:
     """The arguments' JSON Schema (an object)."""
 
     def to_proto(self) -> pb.Tool:
-        return pb.Tool(name=self.name, description=self.description,
-                       parameters_json=json.dumps(dict(self.parameters)) if self.parameters else "")
+        return pb.Tool(
+            name=self.name,
+            description=self.description,
+            parameters_json=json.dumps(dict(self.parameters)) if self.parameters else "",
+        )
 
 
 MessageLike = Union[ChatMessage, Mapping[str, Any]]
@@ -86,8 +104,13 @@ def as_message(m: MessageLike) -> ChatMessage:
         if isinstance(args, str):
             args = json.loads(args) if args.strip() else {}
         calls.append(ToolCall(c.get("id", ""), fn["name"], dict(args)))
-    return ChatMessage(role=m["role"], content=m.get("content") or "", name=m.get("name") or "",
-                       tool_call_id=m.get("tool_call_id") or "", tool_calls=tuple(calls))
+    return ChatMessage(
+        role=m["role"],
+        content=m.get("content") or "",
+        name=m.get("name") or "",
+        tool_call_id=m.get("tool_call_id") or "",
+        tool_calls=tuple(calls),
+    )
 
 
 def as_tool(t: ToolLike) -> ToolSpec:
@@ -121,8 +144,17 @@ class Usage:
 
     @classmethod
     def from_proto(cls, u: pb.Usage) -> "Usage":
-        return cls(u.prompt_tokens, u.reused_tokens, u.prefilled_tokens, u.pruned_tokens, u.generated_tokens,
-                   u.time_to_first_token_s, TIERS.get(u.source_tier, "unspecified"), u.history_tokens, u.kv_tokens)
+        return cls(
+            u.prompt_tokens,
+            u.reused_tokens,
+            u.prefilled_tokens,
+            u.pruned_tokens,
+            u.generated_tokens,
+            u.time_to_first_token_s,
+            TIERS.get(u.source_tier, "unspecified"),
+            u.history_tokens,
+            u.kv_tokens,
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -147,13 +179,33 @@ class TurnResult:
 
     @classmethod
     def from_proto(cls, c: pb.TurnCompletion, attempts: int = 1) -> "TurnResult":
-        return cls(c.session_id, c.request_id, c.turn_index, c.generation,
-                   FINISH_REASONS.get(c.finish_reason, "unspecified"), c.text,
-                   tuple(ToolCall.from_proto(t) for t in c.tool_calls), tuple(c.token_ids), Usage.from_proto(c.usage),
-                   c.replayed, attempts)
+        return cls(
+            c.session_id,
+            c.request_id,
+            c.turn_index,
+            c.generation,
+            FINISH_REASONS.get(c.finish_reason, "unspecified"),
+            c.text,
+            tuple(ToolCall.from_proto(t) for t in c.tool_calls),
+            tuple(c.token_ids),
+            Usage.from_proto(c.usage),
+            c.replayed,
+            attempts,
+        )
 
 
 TurnEvent = Union[TextDelta, ToolCall, TurnResult]
 
-__all__ = ["ChatMessage", "MessageLike", "TextDelta", "ToolCall", "ToolLike", "ToolSpec", "TurnEvent", "TurnResult",
-           "Usage", "as_message", "as_tool"]
+__all__ = [
+    "ChatMessage",
+    "MessageLike",
+    "TextDelta",
+    "ToolCall",
+    "ToolLike",
+    "ToolSpec",
+    "TurnEvent",
+    "TurnResult",
+    "Usage",
+    "as_message",
+    "as_tool",
+]

@@ -53,8 +53,10 @@ def tool_choice_proto(value: Any) -> pb.ToolChoice:
         return pb.ToolChoice(mode="none")
     if isinstance(value, str):
         if value not in _MODES:
-            raise ValueError(f"tool_choice must be one of {sorted(_MODES)} or {{'type': 'function', 'function': "
-                             f"{{'name': ...}}}}, not {value!r}")
+            raise ValueError(
+                f"tool_choice must be one of {sorted(_MODES)} or {{'type': 'function', 'function': "
+                f"{{'name': ...}}}}, not {value!r}"
+            )
         return pb.ToolChoice(mode=_MODES[value])
     if isinstance(value, Mapping):
         fn = value.get("function") if value.get("type", "function") == "function" else None
@@ -70,8 +72,10 @@ def named_tool_choice(value: Any, tool_names: list[str]) -> Any:
     if isinstance(value, str) and value not in _MODES and value in tool_names:
         return {"type": "function", "function": {"name": value}}
     if isinstance(value, str) and value not in _MODES:
-        raise ValueError(f"tool_choice {value!r} is neither a mode ({', '.join(sorted(_MODES))}) nor one of the "
-                         f"bound tools ({', '.join(tool_names) or 'none'})")
+        raise ValueError(
+            f"tool_choice {value!r} is neither a mode ({', '.join(sorted(_MODES))}) nor one of the "
+            f"bound tools ({', '.join(tool_names) or 'none'})"
+        )
     return value
 
 

@@ -51,9 +51,23 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.lifecycle import MethodSpec  # noqa: E402
 from engine.llm import LLMEngine  # noqa: E402
 
-EVICTION = ("streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "adakv", "keydiff", "expected_attention", "rkv", "kvzip")
-PRUNE = {"none": {}, "lag1": {"prune_lag": 1, "prune_policy": "drop"},
-         "keep": {"prune_lag": 1, "prune_policy": "keep_ratio", "prune_keep_ratio": 0.25}}
+EVICTION = (
+    "streaming_llm",
+    "h2o",
+    "tova",
+    "snapkv",
+    "pyramidkv",
+    "adakv",
+    "keydiff",
+    "expected_attention",
+    "rkv",
+    "kvzip",
+)
+PRUNE = {
+    "none": {},
+    "lag1": {"prune_lag": 1, "prune_policy": "drop"},
+    "keep": {"prune_lag": 1, "prune_policy": "keep_ratio", "prune_keep_ratio": 0.25},
+}
 
 
 @dataclass
@@ -90,11 +104,21 @@ def build_configs(methods: list[str], budgets: list, prunes: list[str], once_met
 
 
 def make_engine(args, prune: str) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                                  prefill_chunk_size=args.prefill_chunk_size, max_num_batched_tokens=4 * args.prefill_chunk_size,
-                                  max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb, prefix_sharing=False,
-                                  cuda_graphs=args.cuda_graphs,
-                                  **PRUNE[prune]))
+    return LLMEngine(
+        EngineConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            prefill_chunk_size=args.prefill_chunk_size,
+            max_num_batched_tokens=4 * args.prefill_chunk_size,
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_gb=args.kv_cache_gb,
+            prefix_sharing=False,
+            cuda_graphs=args.cuda_graphs,
+            **PRUNE[prune],
+        )
+    )
 
 
 def tally(scores: list[list[dict]]) -> dict:
@@ -104,9 +128,12 @@ def tally(scores: list[list[dict]]) -> dict:
         c = by_d.setdefault(q["distance"], [0, 0])
         c[0] += q["correct"]
         c[1] += 1
-    return {"correct": sum(q["correct"] for q in qs), "questions": len(qs),
-            "accuracy": sum(q["correct"] for q in qs) / max(1, len(qs)),
-            "by_distance": {str(d): c for d, c in sorted(by_d.items())}}
+    return {
+        "correct": sum(q["correct"] for q in qs),
+        "questions": len(qs),
+        "accuracy": sum(q["correct"] for q in qs) / max(1, len(qs)),
+        "by_distance": {str(d): c for d, c in sorted(by_d.items())},
+    }
 
 
 def agreement(ref: list[list[dict]], other: list[list[dict]]) -> float:
@@ -186,22 +213,33 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--samples", type=int, default=None, help="samples per size (default 6, --full 24)")
     ap.add_argument("--methods", default=",".join(EVICTION))
-    ap.add_argument("--budgets", default="0.5,0.25", help="fractions of the final context (0.5) or tokens per head (16)")
+    ap.add_argument(
+        "--budgets", default="0.5,0.25", help="fractions of the final context (0.5) or tokens per head (16)"
+    )
     ap.add_argument("--prunes", default="none,lag1,keep", help="pruning variants: none, lag1 (drop), keep (keep_ratio)")
     ap.add_argument("--once-method", default="snapkv", help="the method also run compressing once ('' for none)")
-    ap.add_argument("--calibrate", type=float, default=0.8, help="keep sizes where dense re-prefill scores at least this")
+    ap.add_argument(
+        "--calibrate", type=float, default=0.8, help="keep sizes where dense re-prefill scores at least this"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--cuda-graphs", default="true", help="decode under CUDA graphs (GPU)")
-    ap.add_argument("--max-model-len", type=int, default=None, help="default: twice the longest session + 256 (kvzip's pass)")
+    ap.add_argument(
+        "--max-model-len", type=int, default=None, help="default: twice the longest session + 256 (kvzip's pass)"
+    )
     ap.add_argument("--prefill-chunk-size", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--kv-cache-gb", type=float, default=2.0)
     ap.add_argument("--note", default="", help="a note saved with the results")
-    ap.add_argument("--merge", nargs="+", default=None, help="merge these result files (runs of the same samples, "
-                    "e.g. one per --prunes value, split to fit a time limit) into --out instead of running")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        help="merge these result files (runs of the same samples, "
+        "e.g. one per --prunes value, split to fit a time limit) into --out instead of running",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "agent_quality_cpu.json"))
     args = ap.parse_args(argv)
     if args.full:
@@ -218,19 +256,32 @@ def main(argv: list[str] | None = None) -> dict:
     if args.merge:
         return merge(args.merge, Path(args.out))
 
-    groups = {(fam, size): make_samples(fam, size, args.samples, args.seed) for fam in families for size in SIZES[args.size][fam]}
+    groups = {
+        (fam, size): make_samples(fam, size, args.samples, args.seed)
+        for fam in families
+        for size in SIZES[args.size][fam]
+    }
     if args.max_model_len is None:  # a generous bound from the text; exact lengths come after calibration
         chars = max(sum(len(p.text) for t in s.turns for p in t.pieces) for ss in groups.values() for s in ss)
         args.max_model_len = 2 * (chars // 2 + 64 * 8) + 256
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    result = {"description": "benchmarks/agent_quality.py: multi-turn agent tasks through the engine's chain API, "
-                             "each configuration next to dense re-prefill on the same samples (exact match).",
-              "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + (argv if argv is not None else sys.argv[1:])),
-              "model": args.model, "size": args.size, "samples": args.samples, "seed": args.seed,
-              "budgets": budgets, "calibrate": args.calibrate, "prune_keep_ratio": PRUNE["keep"]["prune_keep_ratio"],
-              "note": args.note, "calibration": [], "rows": []}
+    result = {
+        "description": "benchmarks/agent_quality.py: multi-turn agent tasks through the engine's chain API, "
+        "each configuration next to dense re-prefill on the same samples (exact match).",
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + (argv if argv is not None else sys.argv[1:])),
+        "model": args.model,
+        "size": args.size,
+        "samples": args.samples,
+        "seed": args.seed,
+        "budgets": budgets,
+        "calibrate": args.calibrate,
+        "prune_keep_ratio": PRUNE["keep"]["prune_keep_ratio"],
+        "note": args.note,
+        "calibration": [],
+        "rows": [],
+    }
 
     def save():
         result["elapsed_s"] = round(time.time() - t0, 1)
@@ -238,9 +289,13 @@ def main(argv: list[str] | None = None) -> dict:
         out_path.write_text(json.dumps(result, indent=1) + "\n")
 
     engine = make_engine(args, "none")
-    result.update(device=str(engine.device), host=platform.processor() or platform.machine(),
-                  torch_threads=torch.get_num_threads(), num_layers=engine.shape.num_layers,
-                  num_kv_heads=engine.shape.num_kv_heads)
+    result.update(
+        device=str(engine.device),
+        host=platform.processor() or platform.machine(),
+        torch_threads=torch.get_num_threads(),
+        num_layers=engine.shape.num_layers,
+        num_kv_heads=engine.shape.num_kv_heads,
+    )
     encoded, refs = {}, {}
     for key, samples in groups.items():  # calibration: dense re-prefill, also the reference
         enc = [encode_sample(engine, s) for s in samples]
@@ -248,19 +303,40 @@ def main(argv: list[str] | None = None) -> dict:
         t = tally(scores)
         final = [len(h) for h in histories]
         keep = t["accuracy"] >= args.calibrate
-        result["calibration"].append({"family": key[0], "size": key[1].label, "accuracy": t["accuracy"],
-                                      "questions": t["questions"], "mean_final_tokens": sum(final) / len(final),
-                                      "kept": keep})
-        print(f"calibration {key[0]} {key[1].label}: dense re-prefill {t['accuracy']:.2f} "
-              f"({sum(final) / len(final):.0f} tokens){'' if keep else ' - dropped'}", flush=True)
+        result["calibration"].append(
+            {
+                "family": key[0],
+                "size": key[1].label,
+                "accuracy": t["accuracy"],
+                "questions": t["questions"],
+                "mean_final_tokens": sum(final) / len(final),
+                "kept": keep,
+            }
+        )
+        print(
+            f"calibration {key[0]} {key[1].label}: dense re-prefill {t['accuracy']:.2f} "
+            f"({sum(final) / len(final):.0f} tokens){'' if keep else ' - dropped'}",
+            flush=True,
+        )
         if keep:
             encoded[key], refs[key] = enc, (scores, histories, starts, final)
-            result["rows"].append({"config": "reprefill", "family": key[0], "size": key[1].label, **t, "agreement": 1.0,
-                                   "kv_fraction": None, "mean_final_tokens": sum(final) / len(final)})
+            result["rows"].append(
+                {
+                    "config": "reprefill",
+                    "family": key[0],
+                    "size": key[1].label,
+                    **t,
+                    "agreement": 1.0,
+                    "kv_fraction": None,
+                    "mean_final_tokens": sum(final) / len(final),
+                }
+            )
     if not encoded:
         save()
-        raise SystemExit(f"calibration dropped every size (dense re-prefill under {args.calibrate}): "
-                         "lower --calibrate or pick another --size; calibration saved to " + str(out_path))
+        raise SystemExit(
+            f"calibration dropped every size (dense re-prefill under {args.calibrate}): "
+            "lower --calibrate or pick another --size; calibration saved to " + str(out_path)
+        )
     longest = max((max(r[3]) for r in refs.values()), default=0)
     if 2 * longest + 64 > engine.max_model_len:
         raise SystemExit(f"sessions reach {longest} tokens: give --max-model-len >= {2 * longest + 64} (kvzip's pass)")
@@ -284,12 +360,24 @@ def main(argv: list[str] | None = None) -> dict:
                 else:
                     scores = run_once(engine, enc, histories, starts, spec_of)  # every family asks after turn 1
                 t = tally(scores)
-                result["rows"].append({"config": cfg.name, "family": key[0], "size": key[1].label, **t,
-                                       "agreement": agreement(ref_scores, scores), "kv_fraction": kv})
+                result["rows"].append(
+                    {
+                        "config": cfg.name,
+                        "family": key[0],
+                        "size": key[1].label,
+                        **t,
+                        "agreement": agreement(ref_scores, scores),
+                        "kv_fraction": kv,
+                    }
+                )
             save()
             s = next(x for x in result["summary"] if x["config"] == cfg.name)
-            print(f"{cfg.name:<32} mean {s['mean']:.2f} " + " ".join(f"{f} {s[f]:.2f}" for f in families if f in s)
-                  + f"  agree {s['agreement']:.2f}  kv {s['kv_fraction'] or 0:.2f}  ({time.time() - t1:.0f} s)", flush=True)
+            print(
+                f"{cfg.name:<32} mean {s['mean']:.2f} "
+                + " ".join(f"{f} {s[f]:.2f}" for f in families if f in s)
+                + f"  agree {s['agreement']:.2f}  kv {s['kv_fraction'] or 0:.2f}  ({time.time() - t1:.0f} s)",
+                flush=True,
+            )
     save()
     print(json.dumps(result["recommended"], indent=1))
     return result

@@ -23,27 +23,48 @@ def section(d: dict, stem: str) -> str:
     where = d.get("device", "?")
     fams = [f for f in ("needle", "state", "shared") if any(r["family"] == f for r in d["rows"])]
     cal = [dict(c, accuracy=_pct(c["accuracy"]), kept="yes" if c["kept"] else "dropped") for c in d["calibration"]]
-    parts = [f"## Agent quality over turns ({'GPU' if 'gpu' in stem else 'CPU'})",
-             f"`benchmarks/agent_quality.py` on {where}, {d['model']}, size `{d['size']}`, {d['samples']} samples per "
-             "size (seed %d), through the engine's chain API (`LLMEngine.add_turn`, in process). Families: a needle "
-             "record in turn 1's tool output asked for in turn N (needle), a key updated by tool outputs asked for "
-             "its latest value (state), one file read in turn 1 then a question per turn about another part of it "
-             "(shared). Exact match. Budgets are fractions of each sample's final context, fixed for the session "
-             "(tokens per kv-head); +lag1 drops tool output one turn old, +keep keeps %d%% of it (keep_ratio); "
-             "/once compresses the transcript once before each question (kvpress-style). agree = answers equal to "
-             "dense re-prefill's; KV = KV entries kept at the end / the history's." % (d["seed"], round(100 * d["prune_keep_ratio"])),
-             "Calibration (dense re-prefill; sizes under %s dropped):" % _pct(d["calibrate"]),
-             table(cal, [("family", "family"), ("size", "size"), ("mean_final_tokens", "final tokens"),
-                         ("accuracy", "dense re-prefill"), ("kept", "kept")])]
-    rows = [dict(s, budget=_budget(s["budget"]), **{f: _pct(s.get(f)) for f in fams + ["mean", "agreement", "kv_fraction"]})
-            for s in d["summary"]]
-    cols = [("config", "config"), ("budget", "budget"), ("prune", "prune")] + [(f, f) for f in fams] + \
-        [("mean", "mean"), ("agreement", "agree"), ("kv_fraction", "KV")]
+    parts = [
+        f"## Agent quality over turns ({'GPU' if 'gpu' in stem else 'CPU'})",
+        f"`benchmarks/agent_quality.py` on {where}, {d['model']}, size `{d['size']}`, {d['samples']} samples per "
+        "size (seed %d), through the engine's chain API (`LLMEngine.add_turn`, in process). Families: a needle "
+        "record in turn 1's tool output asked for in turn N (needle), a key updated by tool outputs asked for "
+        "its latest value (state), one file read in turn 1 then a question per turn about another part of it "
+        "(shared). Exact match. Budgets are fractions of each sample's final context, fixed for the session "
+        "(tokens per kv-head); +lag1 drops tool output one turn old, +keep keeps %d%% of it (keep_ratio); "
+        "/once compresses the transcript once before each question (kvpress-style). agree = answers equal to "
+        "dense re-prefill's; KV = KV entries kept at the end / the history's."
+        % (d["seed"], round(100 * d["prune_keep_ratio"])),
+        "Calibration (dense re-prefill; sizes under %s dropped):" % _pct(d["calibrate"]),
+        table(
+            cal,
+            [
+                ("family", "family"),
+                ("size", "size"),
+                ("mean_final_tokens", "final tokens"),
+                ("accuracy", "dense re-prefill"),
+                ("kept", "kept"),
+            ],
+        ),
+    ]
+    rows = [
+        dict(s, budget=_budget(s["budget"]), **{f: _pct(s.get(f)) for f in fams + ["mean", "agreement", "kv_fraction"]})
+        for s in d["summary"]
+    ]
+    cols = (
+        [("config", "config"), ("budget", "budget"), ("prune", "prune")]
+        + [(f, f) for f in fams]
+        + [("mean", "mean"), ("agreement", "agree"), ("kv_fraction", "KV")]
+    )
     parts.append(table(rows, cols))
     if d.get("recommended"):
-        parts.append("Recommended default per budget (best mean accuracy on the chain; ties to the smaller KV): "
-                     + "; ".join(f"{_budget(float(b) if '.' in b else b)}: `{r['config']}` ({_pct(r['mean'])})"
-                                 for b, r in d["recommended"].items()) + ".")
+        parts.append(
+            "Recommended default per budget (best mean accuracy on the chain; ties to the smaller KV): "
+            + "; ".join(
+                f"{_budget(float(b) if '.' in b else b)}: `{r['config']}` ({_pct(r['mean'])})"
+                for b, r in d["recommended"].items()
+            )
+            + "."
+        )
     if d.get("note"):
         parts.append(d["note"])
     for b in d.get("budgets", []):
@@ -58,7 +79,14 @@ def section(d: dict, stem: str) -> str:
         if not series or len(xs) < 2:
             continue
         name = f"{stem}_{_budget(b).replace('%', 'pct').replace(' ', '')}.svg"
-        (RESULTS / name).write_text(line_chart_svg(series, f"Accuracy by turn distance, budget {_budget(b)} ({where})",
-                                                   "turns between the fact and the question", "accuracy", xticks=xs))
+        (RESULTS / name).write_text(
+            line_chart_svg(
+                series,
+                f"Accuracy by turn distance, budget {_budget(b)} ({where})",
+                "turns between the fact and the question",
+                "accuracy",
+                xticks=xs,
+            )
+        )
         parts.append(f"![accuracy by turn distance at {_budget(b)}](../benchmarks/results/{name})")
     return "\n\n".join(parts)

@@ -73,11 +73,17 @@ def _drain(engine: LLMEngine, ids: set) -> dict:
 
 def _score(engine: LLMEngine, turn: EncodedTurn, output_ids: list[int]) -> dict:
     text = engine.tokenizer.decode(output_ids, skip_special_tokens=True)
-    return {"answer": text, "expected": turn.question, "correct": is_correct(text, turn.question),
-            "distance": turn.distance}
+    return {
+        "answer": text,
+        "expected": turn.question,
+        "correct": is_correct(text, turn.question),
+        "distance": turn.distance,
+    }
 
 
-def run_reprefill(engine: LLMEngine, encoded: list[list[EncodedTurn]]) -> tuple[list[list[dict]], list[list[int]], list[list[int]]]:
+def run_reprefill(
+    engine: LLMEngine, encoded: list[list[EncodedTurn]]
+) -> tuple[list[list[dict]], list[list[int]], list[list[int]]]:
     """Dense, the whole transcript re-prefilled every turn. Returns the scores, each sample's final
     history, and where each turn of it starts (for ``run_once`` and the budgets)."""
     histories: list[list[int]] = [[] for _ in encoded]
@@ -90,7 +96,11 @@ def run_reprefill(engine: LLMEngine, encoded: list[list[EncodedTurn]]) -> tuple[
             if t < len(turns):
                 starts[i].append(len(histories[i]))
                 histories[i] += turns[t].tokens
-                ids[engine.add_request(list(histories[i]), _params(turns[t]), request_id=f"re{next(_ids)}", method=dense)] = i
+                ids[
+                    engine.add_request(
+                        list(histories[i]), _params(turns[t]), request_id=f"re{next(_ids)}", method=dense
+                    )
+                ] = i
         for rid, o in _drain(engine, set(ids)).items():
             i = ids[rid]
             if encoded[i][t].question is not None:
@@ -99,7 +109,9 @@ def run_reprefill(engine: LLMEngine, encoded: list[list[EncodedTurn]]) -> tuple[
     return scores, histories, starts
 
 
-def run_chain(engine: LLMEngine, encoded: list[list[EncodedTurn]], spec_of: Callable[[int], MethodSpec]) -> tuple[list[list[dict]], list[dict]]:
+def run_chain(
+    engine: LLMEngine, encoded: list[list[EncodedTurn]], spec_of: Callable[[int], MethodSpec]
+) -> tuple[list[list[dict]], list[dict]]:
     """One session per sample (``spec_of(i)`` its method); returns the scores and each session's
     final KV footprint (kv tokens summed over layers and kv-heads, pruned tokens)."""
     sids = [f"aq{next(_ids)}" for _ in encoded]
@@ -109,8 +121,9 @@ def run_chain(engine: LLMEngine, encoded: list[list[EncodedTurn]], spec_of: Call
         for i, turns in enumerate(encoded):
             if t < len(turns):
                 turn = turns[t]
-                engine.add_turn(sids[i], turn.tokens, _params(turn), spans=turn.spans,
-                                method=spec_of(i) if t == 0 else None)
+                engine.add_turn(
+                    sids[i], turn.tokens, _params(turn), spans=turn.spans, method=spec_of(i) if t == 0 else None
+                )
                 ids[sids[i]] = i
         for sid, o in _drain(engine, set(ids)).items():
             i = ids[sid]
@@ -119,14 +132,24 @@ def run_chain(engine: LLMEngine, encoded: list[list[EncodedTurn]], spec_of: Call
     footprint = []
     for sid in sids:
         info = engine.session_info(sid)
-        footprint.append({"kv_tokens": info["kv_tokens"], "history_tokens": info["num_tokens"],
-                          "pruned_tokens": info["pruned_tokens"]})
+        footprint.append(
+            {
+                "kv_tokens": info["kv_tokens"],
+                "history_tokens": info["num_tokens"],
+                "pruned_tokens": info["pruned_tokens"],
+            }
+        )
         engine.end_session(sid)
     return scores, footprint
 
 
-def run_once(engine: LLMEngine, encoded: list[list[EncodedTurn]], histories: list[list[int]], starts: list[list[int]],
-             spec_of: Callable[[int], MethodSpec]) -> list[list[dict]]:
+def run_once(
+    engine: LLMEngine,
+    encoded: list[list[EncodedTurn]],
+    histories: list[list[int]],
+    starts: list[list[int]],
+    spec_of: Callable[[int], MethodSpec],
+) -> list[list[dict]]:
     """Per question: a session whose first turn is the reference transcript before it (less the
     token the previous turn generated, which this turn generates again), then the question."""
     jobs = []  # (sample, turn index)

@@ -30,20 +30,26 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-ADJ = ("amber azure bold brave bright calm clever cold crimson dark eager early fair fast fierce gentle golden "
-       "grand green happy hidden humble icy jolly keen kind late lazy little lively loud lucky mellow mighty "
-       "misty noble odd pale plain polite proud quick quiet rapid rare red rich round royal rusty shy silent "
-       "silver simple sleepy slow smooth soft solid sour spare steady stern stony sunny swift tall tame tidy "
-       "tiny vast warm wild wise young").split()
-NOUN = ("anchor apple arrow badger basket beacon bell birch bottle bridge brook candle canyon castle cedar "
-        "cherry cloud comet copper coral crane crystal dagger desert dragon eagle ember falcon feather fern "
-        "forest fox garden glacier harbor hawk island jaguar kettle lantern lemon lily maple marble meadow "
-        "mirror moon nebula oak ocean orchid otter owl panda pebble pepper pine planet pond raven river "
-        "robin rocket saddle sparrow spruce star stone storm tiger tower tulip valley violet walnut whale "
-        "willow wolf").split()
+ADJ = (
+    "amber azure bold brave bright calm clever cold crimson dark eager early fair fast fierce gentle golden "
+    "grand green happy hidden humble icy jolly keen kind late lazy little lively loud lucky mellow mighty "
+    "misty noble odd pale plain polite proud quick quiet rapid rare red rich round royal rusty shy silent "
+    "silver simple sleepy slow smooth soft solid sour spare steady stern stony sunny swift tall tame tidy "
+    "tiny vast warm wild wise young"
+).split()
+NOUN = (
+    "anchor apple arrow badger basket beacon bell birch bottle bridge brook candle canyon castle cedar "
+    "cherry cloud comet copper coral crane crystal dagger desert dragon eagle ember falcon feather fern "
+    "forest fox garden glacier harbor hawk island jaguar kettle lantern lemon lily maple marble meadow "
+    "mirror moon nebula oak ocean orchid otter owl panda pebble pepper pine planet pond raven river "
+    "robin rocket saddle sparrow spruce star stone storm tiger tower tulip valley violet walnut whale "
+    "willow wolf"
+).split()
 
-SYSTEM = ("You are a helpful agent. You call tools and read their results. Tool results are lists of "
-          "records, one per line, written as key: value.")
+SYSTEM = (
+    "You are a helpful agent. You call tools and read their results. Tool results are lists of "
+    "records, one per line, written as key: value."
+)
 TASK = {
     "needle": "Look up the records I need with the tools, then answer my question.",
     "state": "Track the value of key {key} as the tools update it, then answer my question.",
@@ -125,12 +131,20 @@ def _records(pairs: list[tuple[str, str]]) -> str:
 
 
 def _head(family: str, **fmt) -> list[Piece]:
-    return [Piece(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{TASK[family].format(**fmt)}<|im_end|>\n", "user")]
+    return [
+        Piece(
+            f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{TASK[family].format(**fmt)}<|im_end|>\n",
+            "user",
+        )
+    ]
 
 
 def _tool(text: str) -> list[Piece]:
-    return [Piece("<|im_start|>assistant\nCalling the tool.<|im_end|>\n<|im_start|>tool\n", "assistant"),
-            Piece(text, "tool"), Piece("<|im_end|>\n", "tool")]
+    return [
+        Piece("<|im_start|>assistant\nCalling the tool.<|im_end|>\n<|im_start|>tool\n", "assistant"),
+        Piece(text, "tool"),
+        Piece("<|im_end|>\n", "tool"),
+    ]
 
 
 def _ack() -> Piece:
@@ -139,8 +153,10 @@ def _ack() -> Piece:
 
 
 def _ask(family: str, key: str) -> list[Piece]:
-    return [Piece(f"<|im_start|>user\n{QUESTION[family].format(key=key)}<|im_end|>\n", "user"),
-            Piece(f"<|im_start|>assistant\n{ANSWER_LEAD[family].format(key=key)}", "assistant")]
+    return [
+        Piece(f"<|im_start|>user\n{QUESTION[family].format(key=key)}<|im_end|>\n", "user"),
+        Piece(f"<|im_start|>assistant\n{ANSWER_LEAD[family].format(key=key)}", "assistant"),
+    ]
 
 
 def _lead() -> Piece:
@@ -210,12 +226,16 @@ SIZES = {
     # the test suite's: one size per family, the one SmolLM2 answers best (tests/test_agent_quality.py)
     "test": {"needle": [Size(2, 4)], "state": [Size(3, 3, lag=1)], "shared": [Size(3, 6)]},
     "tiny": {"needle": [Size(2, 4), Size(4, 4)], "state": [Size(3, 3, lag=1)], "shared": [Size(3, 6)]},
-    "cpu": {"needle": [Size(2, 16), Size(4, 16), Size(8, 16)],
-            "state": [Size(4, 8, lag=0), Size(4, 8, lag=2)],
-            "shared": [Size(5, 32)]},
-    "full": {"needle": [Size(2, 32), Size(4, 32), Size(8, 32), Size(8, 64)],
-             "state": [Size(4, 16, lag=0), Size(6, 16, lag=2), Size(8, 16, lag=4)],
-             "shared": [Size(5, 64), Size(9, 128)]},
+    "cpu": {
+        "needle": [Size(2, 16), Size(4, 16), Size(8, 16)],
+        "state": [Size(4, 8, lag=0), Size(4, 8, lag=2)],
+        "shared": [Size(5, 32)],
+    },
+    "full": {
+        "needle": [Size(2, 32), Size(4, 32), Size(8, 32), Size(8, 64)],
+        "state": [Size(4, 16, lag=0), Size(6, 16, lag=2), Size(8, 16, lag=4)],
+        "shared": [Size(5, 64), Size(9, 128)],
+    },
 }
 
 

@@ -57,12 +57,16 @@ from benchmarks.serving_profile import ServingProfile, print_report  # noqa: E40
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-WORDS = ("data value result query table index record field status error output item list page user file time "
-         "name type size count total range start end node path key text line code test run step time cache "
-         "load save read write open close find match sort merge split join parse check build send fetch").split()
-SYSTEM_HEAD = ("You are an autonomous research agent. Work step by step. Call one tool per turn and read its "
-               "output carefully before the next step. Tools: search(query) returns web results; "
-               "read(url) returns a page; python(code) runs code and returns stdout. ")
+WORDS = (
+    "data value result query table index record field status error output item list page user file time "
+    "name type size count total range start end node path key text line code test run step time cache "
+    "load save read write open close find match sort merge split join parse check build send fetch"
+).split()
+SYSTEM_HEAD = (
+    "You are an autonomous research agent. Work step by step. Call one tool per turn and read its "
+    "output carefully before the next step. Tools: search(query) returns web results; "
+    "read(url) returns a page; python(code) runs code and returns stdout. "
+)
 
 
 @dataclass
@@ -90,8 +94,12 @@ def make_trace(p: TraceParams) -> tuple[list[list[list[dict]]], list[list[float]
     system = SYSTEM_HEAD + _words(random.Random(-1), p.system_words)  # one prompt shared by every session
     sessions, thinks = [], []
     for s in range(p.sessions):
-        turns = [[{"role": "system", "content": system},
-                  {"role": "user", "content": f"Task {s}: " + _words(rng, p.task_words)}]]
+        turns = [
+            [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"Task {s}: " + _words(rng, p.task_words)},
+            ]
+        ]
         think = [0.0]
         for _ in range(1, p.turns):
             n = int(min(p.tool_max, max(p.tool_min, rng.lognormvariate(math.log(p.tool_median), p.tool_sigma))))
@@ -133,11 +141,21 @@ async def one_turn(client: AsyncChainKVClient, session_id: str, messages: list[d
     t1 = time.perf_counter()
     u = result.usage
     t_first = t_first or t1
-    return {"ttft_s": t_first - t0, "server_ttft_s": u.time_to_first_token_s, "latency_s": t1 - t0,
-            "tpot_s": (t1 - t_first) / max(1, u.generated_tokens - 1), "prompt_tokens": u.prompt_tokens,
-            "reused_tokens": u.reused_tokens, "prefilled_tokens": u.prefilled_tokens, "pruned_tokens": u.pruned_tokens,
-            "generated_tokens": u.generated_tokens, "history_tokens": u.history_tokens, "kv_tokens": u.kv_tokens,
-            "source_tier": u.source_tier, "text": result.text}
+    return {
+        "ttft_s": t_first - t0,
+        "server_ttft_s": u.time_to_first_token_s,
+        "latency_s": t1 - t0,
+        "tpot_s": (t1 - t_first) / max(1, u.generated_tokens - 1),
+        "prompt_tokens": u.prompt_tokens,
+        "reused_tokens": u.reused_tokens,
+        "prefilled_tokens": u.prefilled_tokens,
+        "pruned_tokens": u.pruned_tokens,
+        "generated_tokens": u.generated_tokens,
+        "history_tokens": u.history_tokens,
+        "kv_tokens": u.kv_tokens,
+        "source_tier": u.source_tier,
+        "text": result.text,
+    }
 
 
 async def run_config(client: AsyncChainKVClient, cfg: Config, trace, thinks, args, tag: str) -> list[dict]:
@@ -164,11 +182,19 @@ async def run_config(client: AsyncChainKVClient, cfg: Config, trace, thinks, arg
                     await client.end_session(turn_sid)
                 transcript += msgs + [{"role": "assistant", "content": row.pop("text")}]
                 if cfg.prune and k >= 1:
-                    req = pb.PruneHistoryRequest(session_id=sid, prune_roles=["tool"], prune_lag=args.tool_prune_lag,
-                                                 prune_policy="drop")
+                    req = pb.PruneHistoryRequest(
+                        session_id=sid, prune_roles=["tool"], prune_lag=args.tool_prune_lag, prune_policy="drop"
+                    )
                     row["pruned_tokens"] += (await client.prune_history(req)).pruned_tokens
-                rows.append({"config": cfg.name, "session": i, "turn": k, **row,
-                             "session_wall_s": time.perf_counter() - t_start})
+                rows.append(
+                    {
+                        "config": cfg.name,
+                        "session": i,
+                        "turn": k,
+                        **row,
+                        "session_wall_s": time.perf_counter() - t_start,
+                    }
+                )
             if cfg.chain:
                 await client.end_session(sid)
             if tag != "warmup":
@@ -188,18 +214,25 @@ def summarize(cfg: str, rows: list[dict], makespan: float) -> dict:
     later = [r for r in rows if r["turn"] > 0]
     turns = sorted({r["turn"] for r in rows})
     return {
-        "config": cfg, "turns": len(rows), "mean_ttft_s": statistics.fmean(ttft),
-        "p50_ttft_s": ttft[len(ttft) // 2], "p90_ttft_s": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))],
+        "config": cfg,
+        "turns": len(rows),
+        "mean_ttft_s": statistics.fmean(ttft),
+        "p50_ttft_s": ttft[len(ttft) // 2],
+        "p90_ttft_s": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))],
         "mean_ttft_later_turns_s": statistics.fmean(r["ttft_s"] for r in later) if later else None,
         "mean_tpot_s": statistics.fmean(r["tpot_s"] for r in rows),
-        "mean_jct_s": statistics.fmean(jct), "mean_busy_s": statistics.fmean(busy), "makespan_s": makespan,
+        "mean_jct_s": statistics.fmean(jct),
+        "mean_busy_s": statistics.fmean(busy),
+        "makespan_s": makespan,
         "sessions_per_min": 60.0 * len(by_session) / makespan,
         "source_tiers": dict(collections.Counter(r["source_tier"] for r in rows)),
         "prefilled_tokens": sum(r["prefilled_tokens"] for r in rows),
         "reused_tokens": sum(r["reused_tokens"] for r in rows),
         "pruned_tokens": sum(r["pruned_tokens"] for r in rows),
         "generated_tokens": sum(r["generated_tokens"] for r in rows),
-        "final_kv_tokens": statistics.fmean(max(rs, key=lambda r: r["turn"])["kv_tokens"] for rs in by_session.values()),
+        "final_kv_tokens": statistics.fmean(
+            max(rs, key=lambda r: r["turn"])["kv_tokens"] for rs in by_session.values()
+        ),
         "ttft_by_turn_s": [statistics.fmean(r["ttft_s"] for r in rows if r["turn"] == t) for t in turns],
     }
 
@@ -214,8 +247,10 @@ async def replay(target: str, args, params: TraceParams, profile=None, on_update
     async with AsyncChainKVClient(target, timeout_s=args.turn_timeout_s) as client:
         info = await client.server_info()
         known = set(info.methods)
-        print(f"sidecar: {info.model} ({info.architecture}), max_model_len {info.max_model_len}, "
-              f"methods {', '.join(sorted(known))}")
+        print(
+            f"sidecar: {info.model} ({info.architecture}), max_model_len {info.max_model_len}, "
+            f"methods {', '.join(sorted(known))}"
+        )
         for cfg in configs:
             if cfg.method not in known:
                 reason = f"the sidecar has no method {cfg.method!r} (it knows {', '.join(sorted(known))})"
@@ -237,17 +272,26 @@ async def replay(target: str, args, params: TraceParams, profile=None, on_update
                 summaries[-1]["profile"] = profile.report()
             all_rows += rows
             s = summaries[-1]
-            print(f"{cfg.name:<16} ttft {s['mean_ttft_s'] * 1e3:8.1f} ms  p90 {s['p90_ttft_s'] * 1e3:8.1f} ms  "
-                  f"tpot {s['mean_tpot_s'] * 1e3:6.1f} ms  busy {s['mean_busy_s']:7.2f} s  "
-                  f"makespan {s['makespan_s']:7.2f} s  sessions/min {s['sessions_per_min']:6.1f}  "
-                  f"prefilled {s['prefilled_tokens']:>7}  reused {s['reused_tokens']:>7}  pruned {s['pruned_tokens']:>6}  "
-                  f"tiers {s['source_tiers']}")
+            print(
+                f"{cfg.name:<16} ttft {s['mean_ttft_s'] * 1e3:8.1f} ms  p90 {s['p90_ttft_s'] * 1e3:8.1f} ms  "
+                f"tpot {s['mean_tpot_s'] * 1e3:6.1f} ms  busy {s['mean_busy_s']:7.2f} s  "
+                f"makespan {s['makespan_s']:7.2f} s  sessions/min {s['sessions_per_min']:6.1f}  "
+                f"prefilled {s['prefilled_tokens']:>7}  reused {s['reused_tokens']:>7}  pruned {s['pruned_tokens']:>6}  "
+                f"tiers {s['source_tiers']}"
+            )
             if profile is not None:
                 print_report(cfg.name, s["profile"])
-            result = {"model": info.model, "architecture": info.architecture, "trace": asdict(params),
-                      "concurrency": args.concurrency, "method_budget": args.method_budget,
-                      "prune_lag": args.tool_prune_lag, "rows": _with_ratios(summaries), "skipped": skipped,
-                      "turn_rows": all_rows}
+            result = {
+                "model": info.model,
+                "architecture": info.architecture,
+                "trace": asdict(params),
+                "concurrency": args.concurrency,
+                "method_budget": args.method_budget,
+                "prune_lag": args.tool_prune_lag,
+                "rows": _with_ratios(summaries),
+                "skipped": skipped,
+                "turn_rows": all_rows,
+            }
             if on_update is not None:
                 on_update(result)
     return result
@@ -266,6 +310,7 @@ def _with_ratios(summaries: list[dict]) -> list[dict]:
 
 
 # --- the sidecar -------------------------------------------------------------------------------------
+
 
 def prep_tokenizer(dest: Path) -> None:
     from engine.model.loader import resolve_model_dir
@@ -310,10 +355,14 @@ def start_sidecar(args):
     config = engine_config_from_args(args)
     t0 = time.perf_counter()
     engine = LLMEngine(config, random_weights=bool(args.random_weights))
-    print(f"engine: {engine.model_dir.name} on {engine.device} ({engine.dtype}), {engine.pool.num_pages} pages, "
-          f"loaded in {time.perf_counter() - t0:.1f} s")
-    server = ServerThread(engine, ServerOptions(port=0, limits=Limits(default_max_tokens=args.output_tokens),
-                                                max_message_bytes=64 * 2**20))
+    print(
+        f"engine: {engine.model_dir.name} on {engine.device} ({engine.dtype}), {engine.pool.num_pages} pages, "
+        f"loaded in {time.perf_counter() - t0:.1f} s"
+    )
+    server = ServerThread(
+        engine,
+        ServerOptions(port=0, limits=Limits(default_max_tokens=args.output_tokens), max_message_bytes=64 * 2**20),
+    )
     port = server.start()
     return server, engine, f"127.0.0.1:{port}"
 
@@ -326,22 +375,42 @@ def main() -> None:
     ap.add_argument("--target", default=None, help="an existing sidecar (default: one in this process)")
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--method-budget", type=int, default=512, help="KV tokens per head of the sparse methods' sessions")
-    ap.add_argument("--tool-prune-lag", type=int, default=1, help="+prune: drop tool spans at least this many turns old")
+    ap.add_argument(
+        "--tool-prune-lag", type=int, default=1, help="+prune: drop tool spans at least this many turns old"
+    )
     ap.add_argument("--turn-timeout-s", type=float, default=600.0)
     for f in TraceParams.__dataclass_fields__.values():
         ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
-    ap.add_argument("--random-weights", default=None, metavar="SHAPE", help="random weights of this shape "
-                    "(benchmarks/decode_throughput.py SHAPES, e.g. llama-3.1-8b)")
+    ap.add_argument(
+        "--random-weights",
+        default=None,
+        metavar="SHAPE",
+        help="random weights of this shape (benchmarks/decode_throughput.py SHAPES, e.g. llama-3.1-8b)",
+    )
     ap.add_argument("--tokenizer", default=None, metavar="DIR", help="with --random-weights: the tokenizer folder")
-    ap.add_argument("--prep-tokenizer", default=None, metavar="DIR", help="copy SmolLM2's tokenizer files into DIR and exit")
-    ap.add_argument("--profile", choices=["sync", "host"], default=None,
-                    help="time the engine thread's spans per configuration (benchmarks/serving_profile.py); sync: "
-                         "charge GPU work to the span that queued it (attribution, not the unprofiled speed)")
+    ap.add_argument(
+        "--prep-tokenizer", default=None, metavar="DIR", help="copy SmolLM2's tokenizer files into DIR and exit"
+    )
+    ap.add_argument(
+        "--profile",
+        choices=["sync", "host"],
+        default=None,
+        help="time the engine thread's spans per configuration (benchmarks/serving_profile.py); sync: "
+        "charge GPU work to the span that queued it (attribution, not the unprofiled speed)",
+    )
     ap.add_argument("--count-syncs", action="store_true", help="with --profile host: count host<->device syncs by line")
-    ap.add_argument("--torch-profile-steps", type=int, default=0,
-                    help="with --profile: trace this many eager prefill passes per configuration with torch's profiler")
-    ap.add_argument("--torch-profile-from", type=int, default=3,
-                    help="... starting at this prefill pass of the configuration (later passes meet longer histories)")
+    ap.add_argument(
+        "--torch-profile-steps",
+        type=int,
+        default=0,
+        help="with --profile: trace this many eager prefill passes per configuration with torch's profiler",
+    )
+    ap.add_argument(
+        "--torch-profile-from",
+        type=int,
+        default=3,
+        help="... starting at this prefill pass of the configuration (later passes meet longer histories)",
+    )
     ap.add_argument("--out", default="benchmarks/results/agent_trace_cpu.json")
     add_engine_args(ap)
     args = ap.parse_args()
@@ -357,14 +426,23 @@ def main() -> None:
     if args.profile:
         if engine is None:
             raise SystemExit("--profile needs the in-process sidecar (no --target)")
-        profile = ServingProfile(engine, args.profile, count_syncs=args.count_syncs,
-                                 torch_steps=args.torch_profile_steps, torch_from=args.torch_profile_from)
+        profile = ServingProfile(
+            engine,
+            args.profile,
+            count_syncs=args.count_syncs,
+            torch_steps=args.torch_profile_steps,
+            torch_from=args.torch_profile_from,
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    extra = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-             "description": ("Synthetic agent traces replayed over gRPC (benchmarks/agent_trace.py). speedup = "
-                             "nochain mean busy time (sum of a session's turn latencies) / this configuration's; "
-                             "*_vs_dense: the same against dense chain caching.")}
+    extra = {
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "description": (
+            "Synthetic agent traces replayed over gRPC (benchmarks/agent_trace.py). speedup = "
+            "nochain mean busy time (sum of a session's turn latencies) / this configuration's; "
+            "*_vs_dense: the same against dense chain caching."
+        ),
+    }
     if engine is not None:
         import torch
 

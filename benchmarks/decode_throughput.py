@@ -37,16 +37,44 @@ from engine.methods import REGISTRY  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 SHAPES = {
-    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-                 num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=False),
+    "llama-3.1-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        tie_word_embeddings=False,
+    ),
     # the 8B's layer and kv-head structure (32 layers x 8 kv-heads, GQA 4) at a width a CPU runs: for
     # profiling the engine's per-layer, per-head host work (benchmarks/agent_trace.py --profile)
-    "thin-32l": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=32, num_attention_heads=32,
-                     num_key_value_heads=8, vocab_size=1024, tie_word_embeddings=False),
-    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    "thin-32l": dict(
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=1024,
+        tie_word_embeddings=False,
+    ),
+    "llama-3.2-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -118,10 +146,19 @@ def write_config(shape: str, max_len: int) -> str:
     from transformers import LlamaConfig
 
     d = tempfile.mkdtemp(prefix=f"{shape}-")
-    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=131072, rms_norm_eps=1e-5,
-                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                       "original_max_position_embeddings": 8192})
+    cfg = LlamaConfig(
+        **SHAPES[shape],
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.save_pretrained(d)
     return d
@@ -145,6 +182,7 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
 
 # --- HF transformers ---------------------------------------------------------------------------
 
+
 def hf_decode(config_dir: str, batches: list[int], ctx: int, steps: int) -> dict[int, float]:
     """Step time (ms) of HF's own model and DynamicCache (sdpa) per batch; skips what does not fit."""
     from transformers import AutoConfig, DynamicCache, LlamaForCausalLM
@@ -165,8 +203,11 @@ def hf_decode(config_dir: str, batches: list[int], ctx: int, steps: int) -> dict
             continue
         cache = DynamicCache()
         for layer in range(L):
-            cache.update(torch.randn(B, H, ctx, D, dtype=torch.bfloat16, device="cuda"),
-                         torch.randn(B, H, ctx, D, dtype=torch.bfloat16, device="cuda"), layer)
+            cache.update(
+                torch.randn(B, H, ctx, D, dtype=torch.bfloat16, device="cuda"),
+                torch.randn(B, H, ctx, D, dtype=torch.bfloat16, device="cuda"),
+                layer,
+            )
         tok = torch.randint(0, cfg.vocab_size, (B, 1), device="cuda")
         times = []
         with torch.inference_mode():
@@ -190,6 +231,7 @@ def hf_decode(config_dir: str, batches: list[int], ctx: int, steps: int) -> dict
 
 
 # --- ours --------------------------------------------------------------------------------------
+
 
 def weight_bytes(engine: LLMEngine, batch: int) -> int:
     total = sum(p.numel() * p.element_size() for p in engine.model.parameters())
@@ -235,17 +277,28 @@ def synthetic_row(engine, method: str, spec: MethodSpec | None, batch: int, ctx:
     nbytes = weight_bytes(engine, batch) + kv_bytes(engine, rids, read_rule(method), spec)
     for r in rids:
         engine.abort(r)
-    return {"method": method, "batch": batch, "context": ctx, "budget": None if spec is None else spec.budget,
-            "kv_tokens_per_head": int(torch.as_tensor(kv).float().mean()), "tokens_per_s": batch / step_ms * 1e3,
-            "step_ms": step_ms, "bytes_per_step": nbytes, "roofline_fraction": nbytes / (bw * step_ms * 1e-3), "kv": "synthetic",
-            "graph_steps": engine.runner.graph_steps}
+    return {
+        "method": method,
+        "batch": batch,
+        "context": ctx,
+        "budget": None if spec is None else spec.budget,
+        "kv_tokens_per_head": int(torch.as_tensor(kv).float().mean()),
+        "tokens_per_s": batch / step_ms * 1e3,
+        "step_ms": step_ms,
+        "bytes_per_step": nbytes,
+        "roofline_fraction": nbytes / (bw * step_ms * 1e-3),
+        "kv": "synthetic",
+        "graph_steps": engine.runner.graph_steps,
+    }
 
 
 def real_prefill_row(engine, method: str, spec: MethodSpec | None, batch: int, ctx: int, steps: int, bw: float):
     params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
     gen = torch.Generator().manual_seed(1)
-    rids = [engine.add_request(torch.randint(0, 1000, (ctx,), generator=gen).tolist(), params, method=spec)
-            for _ in range(batch)]
+    rids = [
+        engine.add_request(torch.randint(0, 1000, (ctx,), generator=gen).tolist(), params, method=spec)
+        for _ in range(batch)
+    ]
     t0 = time.perf_counter()
     while not all(engine._seqs[r].in_decode for r in rids):
         engine.step()
@@ -253,14 +306,29 @@ def real_prefill_row(engine, method: str, spec: MethodSpec | None, batch: int, c
     prefill_s = time.perf_counter() - t0
     step_ms = timed_decode(engine, rids, steps)
     nbytes = weight_bytes(engine, batch) + kv_bytes(engine, rids, read_rule(method), spec)
-    kv_per_head = kv_bytes(engine, rids) / (batch * engine.shape.num_layers * engine.shape.num_kv_heads *
-                                            engine.model_config.head_dim * 2 * engine.pool.k.element_size())
+    kv_per_head = kv_bytes(engine, rids) / (
+        batch
+        * engine.shape.num_layers
+        * engine.shape.num_kv_heads
+        * engine.model_config.head_dim
+        * 2
+        * engine.pool.k.element_size()
+    )
     for r in rids:
         engine.abort(r)
-    return {"method": method, "batch": batch, "context": ctx, "budget": None if spec is None else spec.budget,
-            "kv_tokens_per_head": round(kv_per_head), "tokens_per_s": batch / step_ms * 1e3, "step_ms": step_ms,
-            "bytes_per_step": nbytes, "roofline_fraction": nbytes / (bw * step_ms * 1e-3), "kv": "real_prefill",
-            "prefill_s": prefill_s}
+    return {
+        "method": method,
+        "batch": batch,
+        "context": ctx,
+        "budget": None if spec is None else spec.budget,
+        "kv_tokens_per_head": round(kv_per_head),
+        "tokens_per_s": batch / step_ms * 1e3,
+        "step_ms": step_ms,
+        "bytes_per_step": nbytes,
+        "roofline_fraction": nbytes / (bw * step_ms * 1e-3),
+        "kv": "real_prefill",
+        "prefill_s": prefill_s,
+    }
 
 
 def finish(args, bw: float, dense_max: int, hf: dict, rows: list[dict], out: Path) -> dict:
@@ -276,10 +344,16 @@ def finish(args, bw: float, dense_max: int, hf: dict, rows: list[dict], out: Pat
         r["roofline_ratio_same_batch"] = same["bytes_per_step"] / r["bytes_per_step"] if same else None
         r["hf_step_ms"] = hf.get(r["batch"])
         r["ratio_vs_hf"] = (hf[r["batch"]] / r["step_ms"]) if r["batch"] in hf else None
-    result = {"device": torch.cuda.get_device_name(0), "shape": args.shape, "copy_bandwidth_tb_s": bw / 1e12,
-              "dense_largest_batch": dense_max, "hf_step_ms": hf, "rows": rows,
-              "note": "kv=synthetic rows decode from synthetically filled KV of the size the method leaves; "
-                      "kv=real_prefill rows prefill a real prompt and let the method compress"}
+    result = {
+        "device": torch.cuda.get_device_name(0),
+        "shape": args.shape,
+        "copy_bandwidth_tb_s": bw / 1e12,
+        "dense_largest_batch": dense_max,
+        "hf_step_ms": hf,
+        "rows": rows,
+        "note": "kv=synthetic rows decode from synthetically filled KV of the size the method leaves; "
+        "kv=real_prefill rows prefill a real prompt and let the method compress",
+    }
     out.write_text(json.dumps(result, indent=1))
     return result
 
@@ -301,9 +375,18 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(0)}: copy bandwidth {bw / 1e12:.2f} TB/s")
     hf = {} if args.skip_hf else hf_decode(cfg_dir, [1, 4, 8, 16, 24], ctx, steps)
 
-    engine = LLMEngine(EngineConfig(model=cfg_dir, page_size=32, max_model_len=ctx + 1024, max_num_seqs=512,
-                                    gpu_memory_utilization=0.93, prefill_chunk_size=4096, max_num_batched_tokens=4096),
-                       random_weights=True)
+    engine = LLMEngine(
+        EngineConfig(
+            model=cfg_dir,
+            page_size=32,
+            max_model_len=ctx + 1024,
+            max_num_seqs=512,
+            gpu_memory_utilization=0.93,
+            prefill_chunk_size=4096,
+            max_num_batched_tokens=4096,
+        ),
+        random_weights=True,
+    )
     engine.pool.k.normal_()
     engine.pool.v.normal_()
     rows = []
@@ -317,8 +400,10 @@ def main() -> None:
             continue
         rows.append(synthetic_row(engine, "dense", None, B, ctx, ctx - 1, steps, bw))
         finish(args, bw, dense_max, hf, rows, out)
-        print(f"  dense batch {B}: {rows[-1]['step_ms']:.2f} ms/step, {rows[-1]['tokens_per_s']:.0f} tok/s, "
-              f"roofline {rows[-1]['roofline_fraction']:.2f}")
+        print(
+            f"  dense batch {B}: {rows[-1]['step_ms']:.2f} ms/step, {rows[-1]['tokens_per_s']:.0f} tok/s, "
+            f"roofline {rows[-1]['roofline_fraction']:.2f}"
+        )
     methods = [m for m in args.methods.split(",") if m]
     for m in methods:
         if m not in REGISTRY:
@@ -340,16 +425,22 @@ def main() -> None:
             spec = None if m == "dense" else METHOD_SPECS[m].spec(args.budget)
             rows.append(real_prefill_row(engine, m, spec, 1, ctx, steps, bw))
             finish(args, bw, dense_max, hf, rows, out)
-            print(f"  {m} real prefill: {rows[-1]['prefill_s']:.1f} s prefill, {rows[-1]['step_ms']:.2f} ms/step, "
-                  f"kv/head {rows[-1]['kv_tokens_per_head']}")
+            print(
+                f"  {m} real prefill: {rows[-1]['prefill_s']:.1f} s prefill, {rows[-1]['step_ms']:.2f} ms/step, "
+                f"kv/head {rows[-1]['kv_tokens_per_head']}"
+            )
 
     result = finish(args, bw, dense_max, hf, rows, out)
-    print(f"\n{'method':<14}{'batch':>6}{'kv':>13}{'tok/s':>10}{'ms':>8}{'roof':>6}{'x dense':>9}{'x same B':>9}{'x hf':>7}")
+    print(
+        f"\n{'method':<14}{'batch':>6}{'kv':>13}{'tok/s':>10}{'ms':>8}{'roof':>6}{'x dense':>9}{'x same B':>9}{'x hf':>7}"
+    )
     for r in rows:
         hfr = f"{r['ratio_vs_hf']:.1f}" if r["ratio_vs_hf"] else "-"
         same = f"{r['ratio_vs_dense_same_batch']:.2f}" if r["ratio_vs_dense_same_batch"] else "-"
-        print(f"{r['method']:<14}{r['batch']:>6}{r['kv']:>13}{r['tokens_per_s']:>10.0f}{r['step_ms']:>8.2f}"
-              f"{r['roofline_fraction']:>6.2f}{r['ratio_vs_dense']:>9.2f}{same:>9}{hfr:>7}")
+        print(
+            f"{r['method']:<14}{r['batch']:>6}{r['kv']:>13}{r['tokens_per_s']:>10.0f}{r['step_ms']:>8.2f}"
+            f"{r['roofline_fraction']:>6.2f}{r['ratio_vs_dense']:>9.2f}{same:>9}{hfr:>7}"
+        )
     try:
         plot(result, out.with_suffix(".png"))
     except ImportError:
@@ -365,7 +456,11 @@ def plot(result: dict, path: Path) -> None:
     rows = [r for r in result["rows"] if r["kv"] == "synthetic"]
     labels = [f"{r['method']}\nB={r['batch']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.9), 4.5))
-    ax.bar(range(len(rows)), [r["tokens_per_s"] for r in rows], color=["#888" if r["method"] == "dense" else "#2a7" for r in rows])
+    ax.bar(
+        range(len(rows)),
+        [r["tokens_per_s"] for r in rows],
+        color=["#888" if r["method"] == "dense" else "#2a7" for r in rows],
+    )
     for i, r in enumerate(rows):
         ax.text(i, r["tokens_per_s"], f"{r['roofline_fraction']:.2f}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(rows)), labels, fontsize=7)

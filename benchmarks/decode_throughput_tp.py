@@ -27,8 +27,15 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.distributed.launcher import launch  # noqa: E402
 
 SHAPES = {
-    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    "llama-3.1-70b": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
     **single.SHAPES,
 }
 
@@ -47,8 +54,11 @@ def bench(engine, args: argparse.Namespace) -> None:
         if 1 <= B <= dense_max:
             rows.append(single.synthetic_row(engine, "dense", None, B, ctx, ctx - 1, steps, bw))
             _finish(args, bw, dense_max, rows, out)
-            print(f"  dense batch {B}: {rows[-1]['step_ms']:.2f} ms/step, {rows[-1]['tokens_per_s']:.0f} tok/s, "
-                  f"roofline {rows[-1]['roofline_fraction']:.2f}", flush=True)
+            print(
+                f"  dense batch {B}: {rows[-1]['step_ms']:.2f} ms/step, {rows[-1]['tokens_per_s']:.0f} tok/s, "
+                f"roofline {rows[-1]['roofline_fraction']:.2f}",
+                flush=True,
+            )
     for m in [m for m in args.methods.split(",") if m]:
         spec = single.METHOD_SPECS[m].spec(args.budget)
         kept = engine.controller.method_for(spec).kept_tokens(ctx - 1)
@@ -58,14 +68,19 @@ def bench(engine, args: argparse.Namespace) -> None:
             if 1 <= batch <= B:
                 rows.append(single.synthetic_row(engine, m, spec, batch, ctx, kv, steps, bw))
                 _finish(args, bw, dense_max, rows, out)
-                print(f"  {m} batch {batch}: {rows[-1]['step_ms']:.2f} ms/step, {rows[-1]['tokens_per_s']:.0f} tok/s, "
-                      f"roofline {rows[-1]['roofline_fraction']:.2f}", flush=True)
+                print(
+                    f"  {m} batch {batch}: {rows[-1]['step_ms']:.2f} ms/step, {rows[-1]['tokens_per_s']:.0f} tok/s, "
+                    f"roofline {rows[-1]['roofline_fraction']:.2f}",
+                    flush=True,
+                )
     result = _finish(args, bw, dense_max, rows, out)
     print(f"\n{'method':<10}{'batch':>6}{'tok/s':>10}{'ms':>8}{'roof':>6}{'x dense':>9}{'x same B':>9}")
     for r in result["rows"]:
         same = f"{r['ratio_vs_dense_same_batch']:.2f}" if r["ratio_vs_dense_same_batch"] else "-"
-        print(f"{r['method']:<10}{r['batch']:>6}{r['tokens_per_s']:>10.0f}{r['step_ms']:>8.2f}"
-              f"{r['roofline_fraction']:>6.2f}{r['ratio_vs_dense']:>9.2f}{same:>9}")
+        print(
+            f"{r['method']:<10}{r['batch']:>6}{r['tokens_per_s']:>10.0f}{r['step_ms']:>8.2f}"
+            f"{r['roofline_fraction']:>6.2f}{r['ratio_vs_dense']:>9.2f}{same:>9}"
+        )
 
 
 def _finish(args, bw, dense_max, rows, out) -> dict:
@@ -91,9 +106,16 @@ def main() -> int:
         return 2
     single.SHAPES.update(SHAPES)  # write_config reads the shape table of decode_throughput.py
     cfg_dir = single.write_config(args.shape, args.context)
-    config = EngineConfig(model=cfg_dir, page_size=32, max_model_len=args.context + 1024, max_num_seqs=args.max_num_seqs,
-                          gpu_memory_utilization=0.93, prefill_chunk_size=4096, max_num_batched_tokens=4096,
-                          tensor_parallel_size=args.tp)
+    config = EngineConfig(
+        model=cfg_dir,
+        page_size=32,
+        max_model_len=args.context + 1024,
+        max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=0.93,
+        prefill_chunk_size=4096,
+        max_num_batched_tokens=4096,
+        tensor_parallel_size=args.tp,
+    )
     return launch(config, bench, args, random_weights=True)
 
 

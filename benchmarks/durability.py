@@ -28,8 +28,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 OUT = ROOT / "benchmarks" / "results" / "durability_cpu.json"
-QUESTIONS = ["Name three fruits.", "Which of them is yellow?", "Name one more fruit.", "Thanks. Which is sweetest?",
-             "And the most sour?", "Say goodbye."]
+QUESTIONS = [
+    "Name three fruits.",
+    "Which of them is yellow?",
+    "Name one more fruit.",
+    "Thanks. Which is sweetest?",
+    "And the most sour?",
+    "Say goodbye.",
+]
 
 
 def start_redis(folder: str) -> tuple[subprocess.Popen, str]:
@@ -38,9 +44,27 @@ def start_redis(folder: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", folder,
-                             "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--loglevel", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            folder,
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--save",
+            "",
+            "--loglevel",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     import redis
 
     client = redis.Redis(port=port)
@@ -71,8 +95,13 @@ def run_mode(engine, store_url: str, mode: str, sessions: int, turns: int, max_t
     def conversation(i: int) -> None:
         sid = f"{mode}-{i}-{time.monotonic_ns()}"
         for t in range(turns):
-            req = pb.TurnRequest(session_id=sid, request_id=f"r{t}", expected_turn_index=t, max_tokens=max_tokens,
-                                 messages=[pb.Message(role="user", content=QUESTIONS[t % len(QUESTIONS)])])
+            req = pb.TurnRequest(
+                session_id=sid,
+                request_id=f"r{t}",
+                expected_turn_index=t,
+                max_tokens=max_tokens,
+                messages=[pb.Message(role="user", content=QUESTIONS[t % len(QUESTIONS)])],
+            )
             t0 = time.perf_counter()
             first = None
             for event in stub.Turn(req):
@@ -99,9 +128,15 @@ def run_mode(engine, store_url: str, mode: str, sessions: int, turns: int, max_t
         xs = sorted(xs)
         return xs[min(len(xs) - 1, int(q * len(xs)))]
 
-    return {"durability": mode, "turns_measured": len(latency), "snapshot_writes": writes,
-            "ttft_p50_s": statistics.median(ttft), "ttft_p95_s": pct(ttft, 0.95),
-            "turn_latency_p50_s": statistics.median(latency), "turn_latency_p95_s": pct(latency, 0.95)}
+    return {
+        "durability": mode,
+        "turns_measured": len(latency),
+        "snapshot_writes": writes,
+        "ttft_p50_s": statistics.median(ttft),
+        "ttft_p95_s": pct(ttft, 0.95),
+        "turn_latency_p50_s": statistics.median(latency),
+        "turn_latency_p95_s": pct(latency, 0.95),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,12 +170,16 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()} {platform.system()}, CPU",
         "model": engine.model_dir.name,
         "store": "redis (AOF, appendfsync always)" if args.store is None else args.store,
-        "sessions": args.sessions, "turns": args.turns, "max_tokens": args.max_tokens,
+        "sessions": args.sessions,
+        "turns": args.turns,
+        "max_tokens": args.max_tokens,
         "command": "python benchmarks/durability.py" + ("" if args.store is None else f" --store {args.store}"),
         "rows": rows,
-        "sync_vs_async": {"ttft_p50": s["ttft_p50_s"] / a["ttft_p50_s"],
-                          "turn_latency_p50": s["turn_latency_p50_s"] / a["turn_latency_p50_s"],
-                          "turn_latency_p50_added_s": s["turn_latency_p50_s"] - a["turn_latency_p50_s"]},
+        "sync_vs_async": {
+            "ttft_p50": s["ttft_p50_s"] / a["ttft_p50_s"],
+            "turn_latency_p50": s["turn_latency_p50_s"] / a["turn_latency_p50_s"],
+            "turn_latency_p50_added_s": s["turn_latency_p50_s"] - a["turn_latency_p50_s"],
+        },
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

@@ -35,8 +35,12 @@ def user_text(session: int, turn: int) -> str:
 def run_grpc(stub, pb, session: int, turns: int, max_tokens: int) -> list[dict]:
     sid, rows = f"bench-grpc-{uuid.uuid4().hex[:8]}", []
     for t in range(turns):
-        req = pb.TurnRequest(session_id=sid, messages=[pb.Message(role="user", content=user_text(session, t))],
-                             max_tokens=max_tokens, ignore_eos=True)
+        req = pb.TurnRequest(
+            session_id=sid,
+            messages=[pb.Message(role="user", content=user_text(session, t))],
+            max_tokens=max_tokens,
+            ignore_eos=True,
+        )
         t0 = time.perf_counter()
         first = None
         for ev in stub.Turn(req, timeout=600):
@@ -44,8 +48,15 @@ def run_grpc(stub, pb, session: int, turns: int, max_tokens: int) -> list[dict]:
                 first = time.perf_counter() - t0
             if ev.HasField("completion"):
                 usage = ev.completion.usage
-        rows.append({"turn": t, "ttft_client_s": first, "ttft_engine_s": usage.time_to_first_token_s,
-                     "latency_s": time.perf_counter() - t0, "reused": usage.reused_tokens})
+        rows.append(
+            {
+                "turn": t,
+                "ttft_client_s": first,
+                "ttft_engine_s": usage.time_to_first_token_s,
+                "latency_s": time.perf_counter() - t0,
+                "reused": usage.reused_tokens,
+            }
+        )
     return rows
 
 
@@ -55,17 +66,30 @@ def run_http(client, model: str, engine_ttft, session: int, turns: int, max_toke
         msgs.append({"role": "user", "content": user_text(session, t)})
         t0 = time.perf_counter()
         first, text, usage = None, "", None
-        for ch in client.chat.completions.create(model=model, messages=msgs, max_tokens=max_tokens, stream=True,
-                                                 stream_options={"include_usage": True}, prompt_cache_key=key,
-                                                 extra_body={"ignore_eos": True}):
+        for ch in client.chat.completions.create(
+            model=model,
+            messages=msgs,
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            prompt_cache_key=key,
+            extra_body={"ignore_eos": True},
+        ):
             if ch.usage is not None:
                 usage = ch.usage
             elif ch.choices and ch.choices[0].delta.content:
                 if first is None:
                     first = time.perf_counter() - t0
                 text += ch.choices[0].delta.content
-        rows.append({"turn": t, "ttft_client_s": first, "ttft_engine_s": engine_ttft(),
-                     "latency_s": time.perf_counter() - t0, "reused": usage.prompt_tokens_details.cached_tokens})
+        rows.append(
+            {
+                "turn": t,
+                "ttft_client_s": first,
+                "ttft_engine_s": engine_ttft(),
+                "latency_s": time.perf_counter() - t0,
+                "reused": usage.prompt_tokens_details.cached_tokens,
+            }
+        )
         msgs.append({"role": "assistant", "content": text})
     return rows
 
@@ -78,8 +102,12 @@ def summarize(rows: list[dict]) -> dict:
     out = {}
     for later, tag in ((False, "all"), (True, "turns>0")):
         c, e = med("ttft_client_s", later), med("ttft_engine_s", later)
-        out[tag] = {"ttft_client_ms": 1000 * c, "ttft_engine_ms": 1000 * e, "front_overhead_ms": 1000 * (c - e),
-                    "latency_ms": 1000 * med("latency_s", later)}
+        out[tag] = {
+            "ttft_client_ms": 1000 * c,
+            "ttft_engine_ms": 1000 * e,
+            "front_overhead_ms": 1000 * (c - e),
+            "latency_ms": 1000 * med("latency_s", later),
+        }
     out["turns"] = len(rows)
     out["reused_tokens_turns>0"] = statistics.median(r["reused"] for r in rows if r["turn"] > 0)
     return out
@@ -125,18 +153,28 @@ def main() -> None:
     for s in range(args.sessions):
         grpc_rows += run_grpc(stub, pb, s, args.turns, args.max_tokens)
         http_rows += run_http(client, model, lambda: last.get("ttft"), s, args.turns, args.max_tokens)
-    result = {"benchmark": "http_overhead", "device": str(engine.device), "model": engine.model_dir.name,
-              "torch_threads": torch.get_num_threads(), "sessions": args.sessions, "turns": args.turns,
-              "max_tokens": args.max_tokens, "grpc": summarize(grpc_rows), "http": summarize(http_rows),
-              "rows": {"grpc": grpc_rows, "http": http_rows}}
+    result = {
+        "benchmark": "http_overhead",
+        "device": str(engine.device),
+        "model": engine.model_dir.name,
+        "torch_threads": torch.get_num_threads(),
+        "sessions": args.sessions,
+        "turns": args.turns,
+        "max_tokens": args.max_tokens,
+        "grpc": summarize(grpc_rows),
+        "http": summarize(http_rows),
+        "rows": {"grpc": grpc_rows, "http": http_rows},
+    }
     srv.run(http.stop())
     srv.stop(grace=2)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     for front in ("grpc", "http"):
         r = result[front]["turns>0"]
-        print(f"{front:5s} turns>0: TTFT client {r['ttft_client_ms']:.1f} ms, engine {r['ttft_engine_ms']:.1f} ms, "
-              f"front overhead {r['front_overhead_ms']:.1f} ms, turn {r['latency_ms']:.1f} ms")
+        print(
+            f"{front:5s} turns>0: TTFT client {r['ttft_client_ms']:.1f} ms, engine {r['ttft_engine_ms']:.1f} ms, "
+            f"front overhead {r['front_overhead_ms']:.1f} ms, turn {r['latency_ms']:.1f} ms"
+        )
     print(f"wrote {args.out}")
 
 

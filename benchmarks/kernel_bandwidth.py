@@ -62,7 +62,7 @@ def bench_paged(B, ctx, H, G, D, P, variant, sms, sets=2):
     def run():
         k, v, t = pools[i[0] % sets]
         i[0] += 1
-        paged_decode(q, k, v, t, lengths, rows, D ** -0.5, splits=splits, block_t=bt, num_warps=warps, num_stages=stages)
+        paged_decode(q, k, v, t, lengths, rows, D**-0.5, splits=splits, block_t=bt, num_warps=warps, num_stages=stages)
 
     for _ in range(3):
         run()
@@ -97,24 +97,47 @@ def main() -> None:
     rows = []
     for B, ctx in shapes:
         ms, nbytes = bench_sdpa(B, ctx, H, G, D)
-        rows.append({"kernel": "sdpa_contiguous", "batch": B, "context": ctx, "ms": ms, "tb_s": nbytes / ms / 1e9,
-                     "fraction": nbytes / (ms * 1e-3) / bw})
+        rows.append(
+            {
+                "kernel": "sdpa_contiguous",
+                "batch": B,
+                "context": ctx,
+                "ms": ms,
+                "tb_s": nbytes / ms / 1e9,
+                "fraction": nbytes / (ms * 1e-3) / bw,
+            }
+        )
         for P in (16, 32, 64):
             for variant in variants:
                 if variant[0] < P:
                     continue
                 ms, nbytes, splits = bench_paged(B, ctx, H, G, D, P, variant, sms)
-                rows.append({"kernel": "paged", "batch": B, "context": ctx, "page_size": P, "block_t": variant[0],
-                             "num_warps": variant[1], "num_stages": variant[2], "splits": splits, "ms": ms,
-                             "tb_s": nbytes / ms / 1e9, "fraction": nbytes / (ms * 1e-3) / bw})
+                rows.append(
+                    {
+                        "kernel": "paged",
+                        "batch": B,
+                        "context": ctx,
+                        "page_size": P,
+                        "block_t": variant[0],
+                        "num_warps": variant[1],
+                        "num_stages": variant[2],
+                        "splits": splits,
+                        "ms": ms,
+                        "tb_s": nbytes / ms / 1e9,
+                        "fraction": nbytes / (ms * 1e-3) / bw,
+                    }
+                )
         torch.cuda.empty_cache()
     print(f"{'kernel':<16}{'B':>5}{'ctx':>7}{'P':>4}{'BT':>5}{'w':>3}{'st':>3}{'ms':>9}{'TB/s':>7}{'frac':>6}")
     for r in rows:
-        print(f"{r['kernel']:<16}{r['batch']:>5}{r['context']:>7}{r.get('page_size', ''):>4}{r.get('block_t', ''):>5}"
-              f"{r.get('num_warps', ''):>3}{r.get('num_stages', ''):>3}{r['ms']:>9.3f}{r['tb_s']:>7.2f}{r['fraction']:>6.2f}")
+        print(
+            f"{r['kernel']:<16}{r['batch']:>5}{r['context']:>7}{r.get('page_size', ''):>4}{r.get('block_t', ''):>5}"
+            f"{r.get('num_warps', ''):>3}{r.get('num_stages', ''):>3}{r['ms']:>9.3f}{r['tb_s']:>7.2f}{r['fraction']:>6.2f}"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "copy_bandwidth_tb_s": bw / 1e12,
-                                          "rows": rows}, indent=1))
+    Path(args.out).write_text(
+        json.dumps({"device": torch.cuda.get_device_name(0), "copy_bandwidth_tb_s": bw / 1e12, "rows": rows}, indent=1)
+    )
 
 
 if __name__ == "__main__":

@@ -32,19 +32,35 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 26])
     ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--kv", type=int, default=None, help="KV tokens per head (default: the context; a method: what it keeps)")
+    ap.add_argument(
+        "--kv", type=int, default=None, help="KV tokens per head (default: the context; a method: what it keeps)"
+    )
     ap.add_argument("--method", default="dense", choices=["dense", *METHOD_SPECS])
     ap.add_argument("--budget", type=int, default=2048)
     args = ap.parse_args()
     cfg_dir = write_config(args.shape, args.context)
-    engine = LLMEngine(EngineConfig(model=cfg_dir, page_size=32, max_model_len=args.context + 1024, max_num_seqs=512,
-                                    gpu_memory_utilization=0.93), random_weights=True)
+    engine = LLMEngine(
+        EngineConfig(
+            model=cfg_dir,
+            page_size=32,
+            max_model_len=args.context + 1024,
+            max_num_seqs=512,
+            gpu_memory_utilization=0.93,
+        ),
+        random_weights=True,
+    )
     spec = None if args.method == "dense" else METHOD_SPECS[args.method].spec(args.budget)
-    kv = args.kv or (args.context - 1 if spec is None else engine.controller.method_for(spec).kept_tokens(args.context - 1))
+    kv = args.kv or (
+        args.context - 1 if spec is None else engine.controller.method_for(spec).kept_tokens(args.context - 1)
+    )
     graphs = engine.runner.graphs
     for B in args.batch:
-        rids = [engine.add_prefilled_request(args.context, kv, SamplingParams(max_tokens=64, ignore_eos=True), method=spec, seed=i)
-                for i in range(B)]
+        rids = [
+            engine.add_prefilled_request(
+                args.context, kv, SamplingParams(max_tokens=64, ignore_eos=True), method=spec, seed=i
+            )
+            for i in range(B)
+        ]
         for _ in range(3):
             engine.step()
         run = graphs.run
@@ -68,7 +84,9 @@ def main() -> None:
         graphs.run = run
         med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
         if replay_ms:
-            print(f"{args.method} B={B}: step {med(step_ms):.2f} ms, graph replay {med(replay_ms):.2f} ms, host {med(step_ms) - med(replay_ms):.2f} ms")
+            print(
+                f"{args.method} B={B}: step {med(step_ms):.2f} ms, graph replay {med(replay_ms):.2f} ms, host {med(step_ms) - med(replay_ms):.2f} ms"
+            )
         else:
             print(f"{args.method} B={B}: step {med(step_ms):.2f} ms, run eagerly (no CUDA graph replay)")
         # eager step under torch's sync debug mode: where the host waits for the device
@@ -81,8 +99,13 @@ def main() -> None:
                 engine.step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        where = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
-        print(f"  {sum(where.values())} syncs in one eager step: " + ", ".join(f"{k} x{n}" for k, n in where.most_common(12)))
+        where = collections.Counter(
+            f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+        )
+        print(
+            f"  {sum(where.values())} syncs in one eager step: "
+            + ", ".join(f"{k} x{n}" for k, n in where.most_common(12))
+        )
         # eager profile of one step: which kernels take the time
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             engine.step()

@@ -47,8 +47,11 @@ from engine.sampling import SamplingParams  # noqa: E402
 from benchmarks.quant_quality import forced_decode_batch  # noqa: E402
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-TEXTS = [Path("/usr/share/common-licenses/GPL-3"), Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "LICENSE.txt",
-         ROOT / "README.md"]
+TEXTS = [
+    Path("/usr/share/common-licenses/GPL-3"),
+    Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "LICENSE.txt",
+    ROOT / "README.md",
+]
 
 
 def passkey_prompts(engine: LLMEngine, n: int, context: int, seed: int) -> list[tuple[list[int], str]]:
@@ -62,8 +65,13 @@ def passkey_prompts(engine: LLMEngine, n: int, context: int, seed: int) -> list[
         reps = max(1, (context - 80) // per)
         depth = rng.randint(0, reps)
         needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-        text = ("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n"
-                + FILLER * depth + needle + FILLER * (reps - depth) + "\nWhat is the pass key?")
+        text = (
+            "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n"
+            + FILLER * depth
+            + needle
+            + FILLER * (reps - depth)
+            + "\nWhat is the pass key?"
+        )
         out.append((engine.apply_chat_template([{"role": "user", "content": text}]), key))
     return out
 
@@ -80,7 +88,9 @@ def configs(methods: list[str], budgets: list[float], method_args: dict) -> list
     return out
 
 
-def run_requests(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, spec: MethodSpec) -> list[list[int]]:
+def run_requests(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, spec: MethodSpec
+) -> list[list[int]]:
     ids = [engine.add_request(p, params, method=spec) for p in prompts]
     done: dict = {}
     while len(done) < len(ids):
@@ -96,11 +106,17 @@ def passkey(engine: LLMEngine, spec: MethodSpec, prompts) -> dict:
     hits = [key in engine.tokenizer.decode(o) for o, (_, key) in zip(outs, prompts)]
     L, H = engine.shape.num_layers, engine.shape.num_kv_heads
     total = sum(len(p) for p, _ in prompts) * L * H
-    return {"accuracy": sum(hits) / len(hits), "correct": sum(hits), "samples": len(hits),
-            "evicted_fraction": (engine.controller.evicted_tokens - evicted) / total}
+    return {
+        "accuracy": sum(hits) / len(hits),
+        "correct": sum(hits),
+        "samples": len(hits),
+        "evicted_fraction": (engine.controller.evicted_tokens - evicted) / total,
+    }
 
 
-def continuation_logits(engine: LLMEngine, spec: MethodSpec, segments: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
+def continuation_logits(
+    engine: LLMEngine, spec: MethodSpec, segments: list[tuple[list[int], list[int]]]
+) -> list[torch.Tensor]:
     """Teacher-forced logits of each segment's continuation, after its context went in as a turn."""
     sids = [f"q{time.monotonic_ns()}-{i}" for i in range(len(segments))]
     for sid, (ctx, _) in zip(sids, segments):
@@ -114,7 +130,7 @@ def continuation_logits(engine: LLMEngine, spec: MethodSpec, segments: list[tupl
     out = []
     for sid, (_, cont) in zip(sids, segments):
         logits = torch.cat(seqs[sid].prompt_logits)
-        out.append(logits[-len(cont):].float())
+        out.append(logits[-len(cont) :].float())
         engine.end_session(sid)
     return out
 
@@ -137,7 +153,9 @@ def agreement(dense: list[torch.Tensor], other: list[torch.Tensor]) -> dict:
     return {"top1_agreement": top1 / n, "mean_kl": kl / n, "positions": n}
 
 
-def text_segments(engine: LLMEngine, path: Path, n: int, context: int, continuation: int) -> list[tuple[list[int], list[int]]]:
+def text_segments(
+    engine: LLMEngine, path: Path, n: int, context: int, continuation: int
+) -> list[tuple[list[int], list[int]]]:
     tokens = engine.encode(path.read_text(errors="replace"))
     span = context + continuation
     if len(tokens) < span:
@@ -148,7 +166,9 @@ def text_segments(engine: LLMEngine, path: Path, n: int, context: int, continuat
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", default=",".join(sorted(REGISTRY)), help="comma-separated registry names (dense is always run)")
+    ap.add_argument(
+        "--methods", default=",".join(sorted(REGISTRY)), help="comma-separated registry names (dense is always run)"
+    )
     ap.add_argument("--budgets", default="0.5,0.25", help="budget ratios (fraction of the context kept per head)")
     ap.add_argument("--method-args", default="{}", help='JSON: {"method": {"param": value}}')
     ap.add_argument("--samples", type=int, default=20, help="passkey haystacks")
@@ -175,15 +195,31 @@ def main(argv: list[str] | None = None) -> None:
     cfgs = configs(methods, budgets, json.loads(args.method_args))
     longest = max(args.context + 200, args.kl_context + args.continuation + 8)
     # twice the longest input: kvzip's scoring pass appends a repeat of the context to the cache
-    engine = LLMEngine(EngineConfig(model=args.model, max_model_len=2 * longest + 64, prefill_chunk_size=longest,
-                                    max_num_batched_tokens=longest * 2, max_num_seqs=args.batch, kv_cache_gb=4.0,
-                                    dtype=args.dtype, cuda_graphs=args.cuda_graphs, async_decode=args.async_decode))
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            max_model_len=2 * longest + 64,
+            prefill_chunk_size=longest,
+            max_num_batched_tokens=longest * 2,
+            max_num_seqs=args.batch,
+            kv_cache_gb=4.0,
+            dtype=args.dtype,
+            cuda_graphs=args.cuda_graphs,
+            async_decode=args.async_decode,
+        )
+    )
     skip = set(args.skip.split(","))
-    result = {"description": "benchmarks/quality.py: passkey retrieval (a) and teacher-forced agreement with dense (b), "
-                             "each method at each budget ratio next to dense.",
-              "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + (argv if argv is not None else sys.argv[1:])),
-              "model": args.model, "device": str(engine.device), "host": platform.processor() or platform.machine(),
-              "torch_threads": torch.get_num_threads(), "passkey": None, "agreement": None}
+    result = {
+        "description": "benchmarks/quality.py: passkey retrieval (a) and teacher-forced agreement with dense (b), "
+        "each method at each budget ratio next to dense.",
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + (argv if argv is not None else sys.argv[1:])),
+        "model": args.model,
+        "device": str(engine.device),
+        "host": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
+        "passkey": None,
+        "agreement": None,
+    }
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -194,9 +230,20 @@ def main(argv: list[str] | None = None) -> None:
 
     if "passkey" not in skip:
         prompts = passkey_prompts(engine, args.samples, args.context, args.seed)
-        result["passkey"] = {"context_tokens": round(sum(len(p) for p, _ in prompts) / len(prompts)), "samples": len(prompts), "rows": []}
+        result["passkey"] = {
+            "context_tokens": round(sum(len(p) for p, _ in prompts) / len(prompts)),
+            "samples": len(prompts),
+            "rows": [],
+        }
         for name, budget, spec in tqdm(cfgs, desc="passkey", unit="config"):
-            row = {"method": name, "budget_ratio": budget, "accuracy": 0.0, "correct": 0, "samples": 0, "evicted_fraction": 0.0}
+            row = {
+                "method": name,
+                "budget_ratio": budget,
+                "accuracy": 0.0,
+                "correct": 0,
+                "samples": 0,
+                "evicted_fraction": 0.0,
+            }
             for i in range(0, len(prompts), args.batch):
                 r = passkey(engine, spec, prompts[i : i + args.batch])
                 row["correct"] += r["correct"]
@@ -210,8 +257,13 @@ def main(argv: list[str] | None = None) -> None:
     if "agreement" not in skip:
         path = Path(args.text) if args.text else next(p for p in TEXTS if p.exists())
         segments = text_segments(engine, path, args.segments, args.kl_context, args.continuation)
-        result["agreement"] = {"text": path.name, "context_tokens": args.kl_context, "continuation_tokens": args.continuation,
-                               "segments": len(segments), "rows": []}
+        result["agreement"] = {
+            "text": path.name,
+            "context_tokens": args.kl_context,
+            "continuation_tokens": args.continuation,
+            "segments": len(segments),
+            "rows": [],
+        }
         modes = [m.strip() for m in args.agreement_modes.split(",") if m.strip()]
         if not set(modes) <= {"prefill", "decode"}:
             raise SystemExit(f"--agreement-modes takes prefill and/or decode, not {args.agreement_modes!r}")

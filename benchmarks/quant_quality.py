@@ -30,14 +30,26 @@ from engine.sampling import SamplingParams
 ROOT = Path(__file__).resolve().parents[1]
 DESIGN = (ROOT / "README.md").read_text()[:2400]
 PROMPTS = {
-    "design_qa": [{"role": "system", "content": "You are a helpful assistant. Project notes:\n" + DESIGN},
-                  {"role": "user", "content": "Explain in a few sentences what this project does and how to run it."}],
-    "story": [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a message in a "
-                                          "bottle. Give it a beginning, a middle and an end."}],
+    "design_qa": [
+        {"role": "system", "content": "You are a helpful assistant. Project notes:\n" + DESIGN},
+        {"role": "user", "content": "Explain in a few sentences what this project does and how to run it."},
+    ],
+    "story": [
+        {
+            "role": "user",
+            "content": "Write a short story about a lighthouse keeper who finds a message in a "
+            "bottle. Give it a beginning, a middle and an end.",
+        }
+    ],
 }
 # kivi with the paper's residual window (R = 128) and without (R = 0: only the open page exact)
-METHODS = [("kivi", {"bits": 2, "residual_length": 0}), ("kivi", {"bits": 2, "residual_length": 128}),
-           ("kivi", {"bits": 4, "residual_length": 0}), ("kivi", {"bits": 4, "residual_length": 128}), ("fp8", {})]
+METHODS = [
+    ("kivi", {"bits": 2, "residual_length": 0}),
+    ("kivi", {"bits": 2, "residual_length": 128}),
+    ("kivi", {"bits": 4, "residual_length": 0}),
+    ("kivi", {"bits": 4, "residual_length": 128}),
+    ("fp8", {}),
+]
 
 
 def forced_decode(engine: LLMEngine, ids: list[int], tokens: list[int]) -> torch.Tensor:
@@ -53,8 +65,12 @@ def forced_decode_batch(engine: LLMEngine, pairs: list[tuple[list[int], list[int
     """``forced_decode`` for several (prompt, tokens) pairs decoded together in one batch, each with
     ``method`` (a MethodSpec; None: the engine's default). benchmarks/quality.py measures decode-time
     methods (quest, h2o, rkv, ...) with it."""
-    rids = [engine.add_request(ids, SamplingParams(max_tokens=len(tokens), ignore_eos=True, return_logits=True),
-                               method=method) for ids, tokens in pairs]
+    rids = [
+        engine.add_request(
+            ids, SamplingParams(max_tokens=len(tokens), ignore_eos=True, return_logits=True), method=method
+        )
+        for ids, tokens in pairs
+    ]
     seqs = [engine._seqs[r] for r in rids]
     done = [0] * len(pairs)
     while any(d < len(t) for d, (_, t) in zip(done, pairs)):
@@ -92,12 +108,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--prefill-chunk-size", type=int, default=2048,
-                    help="the default prefills each prompt in one chunk, in full precision, as KIVI does")
+    ap.add_argument(
+        "--prefill-chunk-size",
+        type=int,
+        default=2048,
+        help="the default prefills each prompt in one chunk, in full precision, as KIVI does",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quant_quality.json"))
     a = ap.parse_args()
-    base = dict(device=a.device, num_pages=8000, max_num_seqs=4, max_cached_seqs=8, prefill_chunk_size=a.prefill_chunk_size,
-                max_num_batched_tokens=max(1024, a.prefill_chunk_size), cuda_graphs=False)
+    base = dict(
+        device=a.device,
+        num_pages=8000,
+        max_num_seqs=4,
+        max_cached_seqs=8,
+        prefill_chunk_size=a.prefill_chunk_size,
+        max_num_batched_tokens=max(1024, a.prefill_chunk_size),
+        cuda_graphs=False,
+    )
     dense = LLMEngine(EngineConfig(**base))
     refs = {}
     for name, msgs in PROMPTS.items():
@@ -106,9 +133,18 @@ def main() -> None:
         refs[name] = (ids, out.token_ids, out.step_logits.float())
     bf16 = PagePool(1, dense.pool.page_size, dense.model_config.head_dim, torch.bfloat16, "cpu").bytes_per_token
     dense_bytes, _ = session_bytes(dense, refs["design_qa"][0], a.tokens)
-    rows = [{"method": "dense", "prompt": "design_qa", "agreement": 1.0, "kl_mean": 0.0, "kl_max": 0.0,
-             "free_running_prefix": a.tokens, "bytes_per_token": dense_bytes,
-             "x_bf16": dense_bytes / bf16}]
+    rows = [
+        {
+            "method": "dense",
+            "prompt": "design_qa",
+            "agreement": 1.0,
+            "kl_mean": 0.0,
+            "kl_max": 0.0,
+            "free_running_prefix": a.tokens,
+            "bytes_per_token": dense_bytes,
+            "x_bf16": dense_bytes / bf16,
+        }
+    ]
     for method, args in METHODS:
         t0 = time.time()
         eng = LLMEngine(EngineConfig(**base, method=method, method_args=args))
@@ -116,15 +152,33 @@ def main() -> None:
         per, ctx = session_bytes(eng, refs["design_qa"][0], a.tokens)
         for name, (ids, tokens, ref_logits) in refs.items():
             agree, kl, prefix = agreement(ref_logits, forced_decode(eng, ids, tokens), tokens)
-            rows.append({"method": label, "prompt": name, "prompt_tokens": len(ids), "agreement": agree,
-                         "kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "free_running_prefix": prefix,
-                         "bytes_per_token": per, "x_bf16": per / bf16, "context_per_head": ctx})
+            rows.append(
+                {
+                    "method": label,
+                    "prompt": name,
+                    "prompt_tokens": len(ids),
+                    "agreement": agree,
+                    "kl_mean": float(kl.mean()),
+                    "kl_max": float(kl.max()),
+                    "free_running_prefix": prefix,
+                    "bytes_per_token": per,
+                    "x_bf16": per / bf16,
+                    "context_per_head": ctx,
+                }
+            )
             print(json.dumps(rows[-1]), f"({time.time() - t0:.1f}s)", flush=True)
         del eng
-    result = {"device": str(dense.device), "dtype": str(dense.dtype), "model": "SmolLM2-135M-Instruct",
-              "command": "python benchmarks/quant_quality.py " + " ".join(sys.argv[1:]),
-              "tokens": a.tokens, "page_size": dense.pool.page_size, "prefill_chunk_size": a.prefill_chunk_size,
-              "bf16_bytes_per_token": bf16, "rows": rows}
+    result = {
+        "device": str(dense.device),
+        "dtype": str(dense.dtype),
+        "model": "SmolLM2-135M-Instruct",
+        "command": "python benchmarks/quant_quality.py " + " ".join(sys.argv[1:]),
+        "tokens": a.tokens,
+        "page_size": dense.pool.page_size,
+        "prefill_chunk_size": a.prefill_chunk_size,
+        "bf16_bytes_per_token": bf16,
+        "rows": rows,
+    }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {a.out}")

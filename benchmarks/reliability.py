@@ -27,21 +27,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fuzz-examples", type=int, default=100, help="hypothesis examples per RPC (full size)")
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
-    env = dict(os.environ, CHAINKV_RELIABILITY_REPORT=args.out,
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        CHAINKV_RELIABILITY_REPORT=args.out,
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
     if not args.ci:
         env.update(CHAINKV_LOAD_FULL="1", CHAINKV_FUZZ_EXAMPLES=str(args.fuzz_examples))
-    rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/reliability"],
-                         cwd=ROOT, env=env)
+    rc = subprocess.call(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/reliability"], cwd=ROOT, env=env
+    )
     report = json.loads(Path(args.out).read_text())
     report["size"] = "ci" if args.ci else "full"
     report["command"] = "python benchmarks/reliability.py" + (" --ci" if args.ci else "")
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     load = report.get("load") or {}
-    print(f"faults injected {report['faults_injected']}, sessions lost {report['sessions_lost']}, "
-          f"inputs fuzzed {report['inputs_fuzzed']}, crashes {report['crashes']}, load "
-          f"{load.get('sessions')} sessions x {load.get('turns_per_session')} turns on a {load.get('pool_pages')}-page "
-          f"pool: {load.get('turns_completed')} turns completed in {load.get('wall_s')} s")
+    print(
+        f"faults injected {report['faults_injected']}, sessions lost {report['sessions_lost']}, "
+        f"inputs fuzzed {report['inputs_fuzzed']}, crashes {report['crashes']}, load "
+        f"{load.get('sessions')} sessions x {load.get('turns_per_session')} turns on a {load.get('pool_pages')}-page "
+        f"pool: {load.get('turns_completed')} turns completed in {load.get('wall_s')} s"
+    )
     print(f"wrote {Path(args.out).relative_to(ROOT) if Path(args.out).is_relative_to(ROOT) else args.out}")
     bad = report["sessions_lost"] or report["crashes"] or report.get("committed_turns_lost")
     return 1 if rc or bad else 0

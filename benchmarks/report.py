@@ -32,53 +32,89 @@ def table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
 
 
 def decode_section(d: dict, stem: str = "decode_throughput") -> str:
-    cols = [("method", "method"), ("batch", "batch"), ("context", "context"), ("budget", "budget"),
-            ("kv", "KV"), ("kv_tokens_per_head", "KV tokens/head"), ("tokens_per_s", "tokens/s"),
-            ("step_ms", "step ms"), ("roofline_fraction", "roofline"), ("ratio_vs_dense", "x dense (largest batch)"),
-            ("ratio_vs_dense_same_batch", "x dense (same batch)"),
-            ("roofline_ratio_same_batch", "roofline x dense (same batch)"), ("hf_step_ms", "HF step ms"),
-            ("ratio_vs_hf", "x HF"), ("prefill_s", "prefill s")]
+    cols = [
+        ("method", "method"),
+        ("batch", "batch"),
+        ("context", "context"),
+        ("budget", "budget"),
+        ("kv", "KV"),
+        ("kv_tokens_per_head", "KV tokens/head"),
+        ("tokens_per_s", "tokens/s"),
+        ("step_ms", "step ms"),
+        ("roofline_fraction", "roofline"),
+        ("ratio_vs_dense", "x dense (largest batch)"),
+        ("ratio_vs_dense_same_batch", "x dense (same batch)"),
+        ("roofline_ratio_same_batch", "roofline x dense (same batch)"),
+        ("hf_step_ms", "HF step ms"),
+        ("ratio_vs_hf", "x HF"),
+        ("prefill_s", "prefill s"),
+    ]
     hf = d.get("hf_step_ms") or {}
     hf_line = ", ".join(f"batch {b}: {ms:.1f} ms" for b, ms in sorted(hf.items(), key=lambda x: int(x[0]))) or "not run"
-    return "\n\n".join([
-        "## Decode throughput (GPU)" + ("" if stem == "decode_throughput" else f" ({stem.split('_')[-1]})"),
-        f"`benchmarks/decode_throughput.py` on {d['device']}, {d['shape']} shapes, random bf16 weights; "
-        f"measured copy bandwidth {d['copy_bandwidth_tb_s']:.2f} TB/s. Our dense engine fits {d['dense_largest_batch']} "
-        f"sequences at this context. HF transformers (its own model and DynamicCache, sdpa), same run: {hf_line}.",
-        "`roofline` = (weights + KV bytes a step must read) / (copy bandwidth x step time); `roofline x dense "
-        "(same batch)` = the ratio to dense at the same batch that the bytes alone allow. " + d.get("note", ""),
-        table(d["rows"], cols),
-        f"![decode throughput](../benchmarks/results/{stem}.png)",
-    ])
+    return "\n\n".join(
+        [
+            "## Decode throughput (GPU)" + ("" if stem == "decode_throughput" else f" ({stem.split('_')[-1]})"),
+            f"`benchmarks/decode_throughput.py` on {d['device']}, {d['shape']} shapes, random bf16 weights; "
+            f"measured copy bandwidth {d['copy_bandwidth_tb_s']:.2f} TB/s. Our dense engine fits {d['dense_largest_batch']} "
+            f"sequences at this context. HF transformers (its own model and DynamicCache, sdpa), same run: {hf_line}.",
+            "`roofline` = (weights + KV bytes a step must read) / (copy bandwidth x step time); `roofline x dense "
+            "(same batch)` = the ratio to dense at the same batch that the bytes alone allow. " + d.get("note", ""),
+            table(d["rows"], cols),
+            f"![decode throughput](../benchmarks/results/{stem}.png)",
+        ]
+    )
 
 
 def kernel_section(d: dict) -> str:
-    cols = [("kernel", "kernel"), ("batch", "batch"), ("context", "context"), ("page_size", "page"),
-            ("block_t", "BLOCK_T"), ("num_warps", "warps"), ("num_stages", "stages"), ("splits", "splits"),
-            ("ms", "ms"), ("tb_s", "TB/s"), ("fraction", "of copy bw")]
-    return "\n\n".join([
-        "## Paged decode kernel vs the bandwidth roofline",
-        f"`benchmarks/kernel_bandwidth.py` on {d['device']} (copy bandwidth {d['copy_bandwidth_tb_s']:.2f} TB/s): one "
-        "decode-attention call over scattered head-granular pages (8 kv-heads, GQA 4, head_dim 128, bf16) next to "
-        "SDPA on contiguous KV.",
-        table(d["rows"], cols),
-    ])
+    cols = [
+        ("kernel", "kernel"),
+        ("batch", "batch"),
+        ("context", "context"),
+        ("page_size", "page"),
+        ("block_t", "BLOCK_T"),
+        ("num_warps", "warps"),
+        ("num_stages", "stages"),
+        ("splits", "splits"),
+        ("ms", "ms"),
+        ("tb_s", "TB/s"),
+        ("fraction", "of copy bw"),
+    ]
+    return "\n\n".join(
+        [
+            "## Paged decode kernel vs the bandwidth roofline",
+            f"`benchmarks/kernel_bandwidth.py` on {d['device']} (copy bandwidth {d['copy_bandwidth_tb_s']:.2f} TB/s): one "
+            "decode-attention call over scattered head-granular pages (8 kv-heads, GQA 4, head_dim 128, bf16) next to "
+            "SDPA on contiguous KV.",
+            table(d["rows"], cols),
+        ]
+    )
 
 
 def quant_section(d: dict) -> str:
-    cols = [("method", "method"), ("prompt", "prompt"), ("agreement", "top-1 agreement"), ("kl_mean", "KL mean"),
-            ("kl_max", "KL max"), ("free_running_prefix", "identical prefix"), ("bytes_per_token", "B / cached token"),
-            ("x_bf16", "x bf16"), ("context_per_head", "tokens / head")]
-    return "\n\n".join([
-        "## KV quantization quality and memory (kivi, fp8)",
-        f"`benchmarks/quant_quality.py` on {d['device']} ({d['dtype']}), {d['model']}, {d['tokens']} greedy tokens, "
-        f"page size {d['page_size']}. Each quantized engine decodes the dense engine's tokens (teacher forcing), so "
-        "every position compares the same context; `identical prefix` is how many tokens free-running generation "
-        "shares with dense. Bytes per cached token (per layer and kv-head) come from the pool's accounting of the "
-        "session's pages (codes, scales, zero points, positions, and a full-precision staging page for each open "
-        f"kivi page), against {d['bf16_bytes_per_token']:.0f} B for a bf16 plain page.",
-        table(d["rows"], cols),
-    ] + ([d["note"]] if d.get("note") else []))
+    cols = [
+        ("method", "method"),
+        ("prompt", "prompt"),
+        ("agreement", "top-1 agreement"),
+        ("kl_mean", "KL mean"),
+        ("kl_max", "KL max"),
+        ("free_running_prefix", "identical prefix"),
+        ("bytes_per_token", "B / cached token"),
+        ("x_bf16", "x bf16"),
+        ("context_per_head", "tokens / head"),
+    ]
+    return "\n\n".join(
+        [
+            "## KV quantization quality and memory (kivi, fp8)",
+            f"`benchmarks/quant_quality.py` on {d['device']} ({d['dtype']}), {d['model']}, {d['tokens']} greedy tokens, "
+            f"page size {d['page_size']}. Each quantized engine decodes the dense engine's tokens (teacher forcing), so "
+            "every position compares the same context; `identical prefix` is how many tokens free-running generation "
+            "shares with dense. Bytes per cached token (per layer and kv-head) come from the pool's accounting of the "
+            "session's pages (codes, scales, zero points, positions, and a full-precision staging page for each open "
+            f"kivi page), against {d['bf16_bytes_per_token']:.0f} B for a bf16 plain page.",
+            table(d["rows"], cols),
+        ]
+        + ([d["note"]] if d.get("note") else [])
+    )
 
 
 def generic_section(name: str, d: dict) -> str:
@@ -92,29 +128,58 @@ def generic_section(name: str, d: dict) -> str:
 
 def reliability_section(d: dict) -> str:
     load = d.get("load") or {}
-    faults = table(d["faults"], [("fault", "fault injected"), ("count", "times"), ("sessions", "sessions"),
-                                 ("sessions_lost", "sessions lost"), ("committed_turns_lost", "committed turns lost")])
-    fuzz = table([{"rpc": k, "inputs": v["inputs"], "crashes": v["crashes"],
-                   "codes": ", ".join(f"{c} {n}" for c, n in sorted(v.get("codes", {}).items()))} for k, v in d["fuzz"].items()],
-                 [("rpc", "RPC"), ("inputs", "inputs"), ("crashes", "crashes"), ("codes", "status codes")])
-    load_line = (f"{load['sessions']} concurrent sessions x {load['turns_per_session']} turns "
-                 f"({load['max_tokens']} tokens each) on SmolLM2 (CPU) with a {load['pool_pages']}-page pool "
-                 f"({load['pages_per_full_session']} pages per full session, so about "
-                 f"{load['pool_pages'] // max(1, load['pages_per_full_session'])} fit at a time): "
-                 f"{load['turns_completed']} turns completed, {load['errors']} errors, {load['sessions_lost']} sessions "
-                 f"lost, {load['demotions']} demotions to host RAM, {load['preemptions']} preemptions, "
-                 f"{load['wall_s']} s, peak RSS {load['max_rss_mb']} MB.") if load else "Load test not run."
-    return "\n\n".join([
-        "## Reliability (faults, fuzzing, load)",
-        f"`{d.get('command', 'python benchmarks/reliability.py')}` on {d['machine']} ({d['created_at']}): "
-        f"**{d['faults_injected']} faults injected, {d['sessions_lost']} sessions lost; {d['inputs_fuzzed']} inputs "
-        f"fuzzed, {d['crashes']} crashes.** A resumed session continues with the same greedy tokens as an "
-        "uninterrupted run.",
-        faults, fuzz, load_line,
-    ])
+    faults = table(
+        d["faults"],
+        [
+            ("fault", "fault injected"),
+            ("count", "times"),
+            ("sessions", "sessions"),
+            ("sessions_lost", "sessions lost"),
+            ("committed_turns_lost", "committed turns lost"),
+        ],
+    )
+    fuzz = table(
+        [
+            {
+                "rpc": k,
+                "inputs": v["inputs"],
+                "crashes": v["crashes"],
+                "codes": ", ".join(f"{c} {n}" for c, n in sorted(v.get("codes", {}).items())),
+            }
+            for k, v in d["fuzz"].items()
+        ],
+        [("rpc", "RPC"), ("inputs", "inputs"), ("crashes", "crashes"), ("codes", "status codes")],
+    )
+    load_line = (
+        (
+            f"{load['sessions']} concurrent sessions x {load['turns_per_session']} turns "
+            f"({load['max_tokens']} tokens each) on SmolLM2 (CPU) with a {load['pool_pages']}-page pool "
+            f"({load['pages_per_full_session']} pages per full session, so about "
+            f"{load['pool_pages'] // max(1, load['pages_per_full_session'])} fit at a time): "
+            f"{load['turns_completed']} turns completed, {load['errors']} errors, {load['sessions_lost']} sessions "
+            f"lost, {load['demotions']} demotions to host RAM, {load['preemptions']} preemptions, "
+            f"{load['wall_s']} s, peak RSS {load['max_rss_mb']} MB."
+        )
+        if load
+        else "Load test not run."
+    )
+    return "\n\n".join(
+        [
+            "## Reliability (faults, fuzzing, load)",
+            f"`{d.get('command', 'python benchmarks/reliability.py')}` on {d['machine']} ({d['created_at']}): "
+            f"**{d['faults_injected']} faults injected, {d['sessions_lost']} sessions lost; {d['inputs_fuzzed']} inputs "
+            f"fuzzed, {d['crashes']} crashes.** A resumed session continues with the same greedy tokens as an "
+            "uninterrupted run.",
+            faults,
+            fuzz,
+            load_line,
+        ]
+    )
 
 
-def line_chart_svg(series: dict[str, list[float]], title: str, xlabel: str, ylabel: str, xticks: list | None = None) -> str:
+def line_chart_svg(
+    series: dict[str, list[float]], title: str, xlabel: str, ylabel: str, xticks: list | None = None
+) -> str:
     """A small dependency-free SVG line chart (one line per series, x = 0, 1, 2, ... or ``xticks``)."""
     w, h, left, right, top, bottom = 640, 360, 64, 150, 36, 48
     n = max(len(v) for v in series.values())
@@ -122,19 +187,23 @@ def line_chart_svg(series: dict[str, list[float]], title: str, xlabel: str, ylab
     px = lambda i: left + (w - left - right) * (i / max(1, n - 1))  # noqa: E731
     py = lambda y: h - bottom - (h - top - bottom) * (y / ymax)  # noqa: E731
     colors = ["#555", "#2a7", "#27c", "#c72", "#a3a", "#c33", "#7a2", "#0aa", "#a60", "#66f", "#e4a", "#4a4", "#940"]
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
-           f'<rect width="{w}" height="{h}" fill="white"/>',
-           f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="13">{title}</text>',
-           f'<line x1="{left}" y1="{h - bottom}" x2="{w - right}" y2="{h - bottom}" stroke="black"/>',
-           f'<line x1="{left}" y1="{top}" x2="{left}" y2="{h - bottom}" stroke="black"/>',
-           f'<text x="{(left + w - right) / 2}" y="{h - 12}" text-anchor="middle">{xlabel}</text>',
-           f'<text x="16" y="{(top + h - bottom) / 2}" text-anchor="middle" transform="rotate(-90 16 {(top + h - bottom) / 2})">{ylabel}</text>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
+        f'<rect width="{w}" height="{h}" fill="white"/>',
+        f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="13">{title}</text>',
+        f'<line x1="{left}" y1="{h - bottom}" x2="{w - right}" y2="{h - bottom}" stroke="black"/>',
+        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{h - bottom}" stroke="black"/>',
+        f'<text x="{(left + w - right) / 2}" y="{h - 12}" text-anchor="middle">{xlabel}</text>',
+        f'<text x="16" y="{(top + h - bottom) / 2}" text-anchor="middle" transform="rotate(-90 16 {(top + h - bottom) / 2})">{ylabel}</text>',
+    ]
     for k in range(5):
         y = ymax * k / 4
         out.append(f'<text x="{left - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{y:.3g}</text>')
         out.append(f'<line x1="{left}" y1="{py(y):.1f}" x2="{w - right}" y2="{py(y):.1f}" stroke="#ddd"/>')
     for i in range(n):
-        out.append(f'<text x="{px(i):.1f}" y="{h - bottom + 16}" text-anchor="middle">{i if xticks is None else xticks[i]}</text>')
+        out.append(
+            f'<text x="{px(i):.1f}" y="{h - bottom + 16}" text-anchor="middle">{i if xticks is None else xticks[i]}</text>'
+        )
     for j, (name, ys) in enumerate(series.items()):
         c = colors[j % len(colors)]
         pts = " ".join(f"{px(i):.1f},{py(y):.1f}" for i, y in enumerate(ys))
@@ -148,27 +217,51 @@ def agent_trace_section(d: dict, stem: str) -> str:
     where = d.get("device", "?")
     model = d["model"] + (f" (random {d['random_weights']} weights)" if d.get("random_weights") else "")
     t = d["trace"]
-    rows = [dict(r, mean_ttft_ms=r["mean_ttft_s"] * 1e3, later_ttft_ms=(r["mean_ttft_later_turns_s"] or 0) * 1e3,
-                 p90_ttft_ms=r["p90_ttft_s"] * 1e3, tpot_ms=r["mean_tpot_s"] * 1e3) for r in d["rows"]]
-    cols = [("config", "config"), ("mean_ttft_ms", "TTFT ms"), ("later_ttft_ms", "TTFT ms (turns > 0)"),
-            ("p90_ttft_ms", "p90 TTFT ms"), ("tpot_ms", "TPOT ms"), ("mean_busy_s", "busy s"),
-            ("mean_jct_s", "JCT s"), ("makespan_s", "makespan s"), ("prefilled_tokens", "prefilled"),
-            ("reused_tokens", "reused"), ("pruned_tokens", "pruned"), ("final_kv_tokens", "final KV entries"),
-            ("speedup", "speedup (busy)"), ("makespan_speedup", "speedup (makespan)")]
+    rows = [
+        dict(
+            r,
+            mean_ttft_ms=r["mean_ttft_s"] * 1e3,
+            later_ttft_ms=(r["mean_ttft_later_turns_s"] or 0) * 1e3,
+            p90_ttft_ms=r["p90_ttft_s"] * 1e3,
+            tpot_ms=r["mean_tpot_s"] * 1e3,
+        )
+        for r in d["rows"]
+    ]
+    cols = [
+        ("config", "config"),
+        ("mean_ttft_ms", "TTFT ms"),
+        ("later_ttft_ms", "TTFT ms (turns > 0)"),
+        ("p90_ttft_ms", "p90 TTFT ms"),
+        ("tpot_ms", "TPOT ms"),
+        ("mean_busy_s", "busy s"),
+        ("mean_jct_s", "JCT s"),
+        ("makespan_s", "makespan s"),
+        ("prefilled_tokens", "prefilled"),
+        ("reused_tokens", "reused"),
+        ("pruned_tokens", "pruned"),
+        ("final_kv_tokens", "final KV entries"),
+        ("speedup", "speedup (busy)"),
+        ("makespan_speedup", "speedup (makespan)"),
+    ]
     if any("makespan_speedup_vs_dense" in r for r in rows):  # against dense chain caching, the strongest baseline
-        cols += [("speedup_vs_dense", "x dense chain (busy)"), ("makespan_speedup_vs_dense", "x dense chain (makespan)")]
+        cols += [
+            ("speedup_vs_dense", "x dense chain (busy)"),
+            ("makespan_speedup_vs_dense", "x dense chain (makespan)"),
+        ]
     title = f"Agent traces over gRPC ({'GPU' if 'gpu' in stem else 'CPU'})"
     if stem not in ("agent_trace_cpu", "agent_trace_gpu"):
         title += f": {stem}"
-    parts = [f"## {title}",
-             f"`benchmarks/agent_trace.py` on {where}, {model}: {t['sessions']} sessions x {t['turns']} turns at "
-             f"concurrency {d['concurrency']}; a shared {t['system_words']}-word system prompt, tool outputs lognormal "
-             f"(median {t['tool_median']} words, sigma {t['tool_sigma']}), {t['output_tokens']} output tokens per turn "
-             f"(EOS ignored), think time {t['think_s']} s mean; sparse methods at {d.get('method_budget')} KV tokens "
-             f"per head; +prune drops the KV of tool output {d.get('prune_lag')} turn(s) old. "
-             "busy = the sum of a session's turn latencies (think time excluded), JCT = its wall time; "
-             "speedup = nochain's mean busy time / the configuration's.",
-             table(rows, cols)]
+    parts = [
+        f"## {title}",
+        f"`benchmarks/agent_trace.py` on {where}, {model}: {t['sessions']} sessions x {t['turns']} turns at "
+        f"concurrency {d['concurrency']}; a shared {t['system_words']}-word system prompt, tool outputs lognormal "
+        f"(median {t['tool_median']} words, sigma {t['tool_sigma']}), {t['output_tokens']} output tokens per turn "
+        f"(EOS ignored), think time {t['think_s']} s mean; sparse methods at {d.get('method_budget')} KV tokens "
+        f"per head; +prune drops the KV of tool output {d.get('prune_lag')} turn(s) old. "
+        "busy = the sum of a session's turn latencies (think time excluded), JCT = its wall time; "
+        "speedup = nochain's mean busy time / the configuration's.",
+        table(rows, cols),
+    ]
     if d.get("note"):
         parts.append(d["note"])
     if d.get("skipped"):
@@ -182,16 +275,26 @@ def agent_trace_section(d: dict, stem: str) -> str:
 
 
 def selection_overhead_section(d: dict) -> str:
-    cols = [("method", "method"), ("budget", "budget"), ("batch", "batch"), ("context", "context"),
-            ("step_ms", "step ms"), ("x_dense", "x dense"), ("device_pages_per_seq", "device pages/seq"),
-            ("host_pages_per_seq", "host pages/seq"), ("fetched_pages_per_step", "fetched pages/step/seq")]
-    return "\n\n".join([
-        "## Selection overhead (quest, omnikv, offload, duo_attention)",
-        f"`benchmarks/selection_overhead.py` on {d['device']} ({d['backend']} backend, {d['model']}, page "
-        f"{d['page_size']}): decode step time over synthetic KV next to dense in the same run, and where each "
-        "sequence's pages sit at the end (offload: device pages stay at the budget, the rest on the host).",
-        table(d["rows"], cols),
-    ])
+    cols = [
+        ("method", "method"),
+        ("budget", "budget"),
+        ("batch", "batch"),
+        ("context", "context"),
+        ("step_ms", "step ms"),
+        ("x_dense", "x dense"),
+        ("device_pages_per_seq", "device pages/seq"),
+        ("host_pages_per_seq", "host pages/seq"),
+        ("fetched_pages_per_step", "fetched pages/step/seq"),
+    ]
+    return "\n\n".join(
+        [
+            "## Selection overhead (quest, omnikv, offload, duo_attention)",
+            f"`benchmarks/selection_overhead.py` on {d['device']} ({d['backend']} backend, {d['model']}, page "
+            f"{d['page_size']}): decode step time over synthetic KV next to dense in the same run, and where each "
+            "sequence's pages sit at the end (offload: device pages stay at the budget, the rest on the host).",
+            table(d["rows"], cols),
+        ]
+    )
 
 
 def _pivot(rows: list[dict], metrics: list[tuple[str, str]]) -> tuple[list[dict], list[tuple[str, str]]]:
@@ -201,7 +304,7 @@ def _pivot(rows: list[dict], metrics: list[tuple[str, str]]) -> tuple[list[dict]
     out: dict[str, dict] = {}
     for r in rows:
         row = out.setdefault(r["method"], {"method": r["method"]})
-        for b in ([r["budget_ratio"]] if r["budget_ratio"] is not None else budgets):
+        for b in [r["budget_ratio"]] if r["budget_ratio"] is not None else budgets:
             for key, _ in metrics:
                 row[f"{key}@{b}"] = r.get(key)
     cols = [("method", "method")] + [(f"{k}@{b}", f"{h} @ {b:.0%}") for b in budgets for k, h in metrics]
@@ -209,15 +312,20 @@ def _pivot(rows: list[dict], metrics: list[tuple[str, str]]) -> tuple[list[dict]
 
 
 def quality_section(d: dict, name: str = "quality") -> str:
-    parts = [f"## Quality next to dense ({name})",
-             f"`{d.get('command', 'benchmarks/quality.py')}` on {d.get('device', '?')} ({d.get('model', '?')}), "
-             f"{d.get('elapsed_s', 0) / 60:.0f} min. Budgets are fractions of the context kept per (layer, kv-head)."]
+    parts = [
+        f"## Quality next to dense ({name})",
+        f"`{d.get('command', 'benchmarks/quality.py')}` on {d.get('device', '?')} ({d.get('model', '?')}), "
+        f"{d.get('elapsed_s', 0) / 60:.0f} min. Budgets are fractions of the context kept per (layer, kv-head).",
+    ]
     pk = d.get("passkey")
     if pk and pk.get("rows"):
         rows, cols = _pivot(pk["rows"], [("accuracy", "accuracy"), ("evicted_fraction", "evicted")])
-        parts += [f"**(a) Passkey retrieval**: {pk['samples']} locally generated haystacks of ~{pk['context_tokens']} "
-                  "tokens, the key at a random depth, greedy answer; accuracy = answers containing the key, "
-                  "evicted = fraction of the prompt's KV freed.", table(rows, cols)]
+        parts += [
+            f"**(a) Passkey retrieval**: {pk['samples']} locally generated haystacks of ~{pk['context_tokens']} "
+            "tokens, the key at a random depth, greedy answer; accuracy = answers containing the key, "
+            "evicted = fraction of the prompt's KV freed.",
+            table(rows, cols),
+        ]
     ag = d.get("agreement")
     if ag and ag.get("rows"):
         modes = ag.get("modes", ["prefill"])
@@ -227,13 +335,16 @@ def quality_section(d: dict, name: str = "quality") -> str:
         if "decode" in modes:
             metrics += [("decode_top1_agreement", "top-1 (decode)"), ("decode_mean_kl", "KL (decode)")]
         rows, cols = _pivot(ag["rows"], metrics)
-        parts += [f"**(b) Agreement with dense, teacher-forced**: {ag['segments']} segments of `{ag['text']}`, "
-                  f"{ag['context_tokens']} context tokens, then {ag['continuation_tokens']} continuation tokens; top-1 "
-                  "next-token agreement with dense and mean KL(dense || method) per position. (prefill): the context "
-                  "is a first turn the method compresses, the continuation a second turn prefilled through the "
-                  "compressed cache (the Chain Cache's path). (decode): the continuation goes through decode steps "
-                  "one token at a time, as generation reads the cache; decode-time methods (quest, omnikv, offload, "
-                  "h2o, rkv) act only here.", table(rows, cols)]
+        parts += [
+            f"**(b) Agreement with dense, teacher-forced**: {ag['segments']} segments of `{ag['text']}`, "
+            f"{ag['context_tokens']} context tokens, then {ag['continuation_tokens']} continuation tokens; top-1 "
+            "next-token agreement with dense and mean KL(dense || method) per position. (prefill): the context "
+            "is a first turn the method compresses, the continuation a second turn prefilled through the "
+            "compressed cache (the Chain Cache's path). (decode): the continuation goes through decode steps "
+            "one token at a time, as generation reads the cache; decode-time methods (quest, omnikv, offload, "
+            "h2o, rkv) act only here.",
+            table(rows, cols),
+        ]
     if d.get("note"):
         parts.append(d["note"])
     return "\n\n".join(parts)
@@ -250,7 +361,9 @@ RENDERERS = {
     "selection_overhead": selection_overhead_section,
     "quality_eviction": lambda d: quality_section(d, "eviction methods"),
     "quality_selection": lambda d: quality_section(d, "selection and quantization methods"),
-    "quality_eviction_window16": lambda d: quality_section(d, "snapkv and pyramidkv with a 16-token observation window"),
+    "quality_eviction_window16": lambda d: quality_section(
+        d, "snapkv and pyramidkv with a 16-token observation window"
+    ),
     "quant_quality": quant_section,
 }
 
@@ -263,6 +376,7 @@ def _agent_quality(stem: str):
         from benchmarks.agent_quality_report import section  # it imports this module
 
         return section(d, stem)
+
     return render
 
 
@@ -270,9 +384,11 @@ RENDERERS.update({s: _agent_quality(s) for s in ("agent_quality_cpu", "agent_qua
 
 
 def main() -> None:
-    parts = ["# Benchmarks",
-             "Generated by `python benchmarks/report.py` from `benchmarks/results/*.json`; the scripts that "
-             "produce each file are named in its section. Ratios are taken side by side within one run."]
+    parts = [
+        "# Benchmarks",
+        "Generated by `python benchmarks/report.py` from `benchmarks/results/*.json`; the scripts that "
+        "produce each file are named in its section. Ratios are taken side by side within one run.",
+    ]
     for path in sorted(RESULTS.glob("*.json")):
         d = json.loads(path.read_text())
         render = RENDERERS.get(path.stem)

@@ -44,10 +44,18 @@ def run(engine: LLMEngine, spec: MethodSpec, batch: int, context: int, steps: in
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t0) / steps * 1e3
-    row = {"method": spec.method, "budget": spec.budget, "batch": batch, "context": context, "step_ms": step_ms,
-           "device_pages_per_seq": engine.manager.num_pages(ids[0]),
-           "host_pages_per_seq": sum(engine.manager.num_host_pages(ids[0], layer) for layer in range(engine.shape.num_layers)),
-           "fetched_pages_per_step": ((host.fetches - fetched0) / steps / batch) if host else 0.0}
+    row = {
+        "method": spec.method,
+        "budget": spec.budget,
+        "batch": batch,
+        "context": context,
+        "step_ms": step_ms,
+        "device_pages_per_seq": engine.manager.num_pages(ids[0]),
+        "host_pages_per_seq": sum(
+            engine.manager.num_host_pages(ids[0], layer) for layer in range(engine.shape.num_layers)
+        ),
+        "fetched_pages_per_step": ((host.fetches - fetched0) / steps / batch) if host else 0.0,
+    }
     for rid in ids:
         engine.abort(rid)
     return row
@@ -56,7 +64,11 @@ def run(engine: LLMEngine, spec: MethodSpec, batch: int, context: int, steps: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--random-weights", action="store_true", help="real shapes, random weights (a folder with config.json is enough)")
+    ap.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="real shapes, random weights (a folder with config.json is enough)",
+    )
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=16)
@@ -64,9 +76,16 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "selection_overhead.json"))
     args = ap.parse_args()
-    engine = LLMEngine(EngineConfig(model=args.model, max_model_len=args.context + args.steps + 8,
-                                    prefill_chunk_size=512, cuda_graphs=False, async_decode=False),
-                       random_weights=args.random_weights)
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            max_model_len=args.context + args.steps + 8,
+            prefill_chunk_size=512,
+            cuda_graphs=False,
+            async_decode=False,
+        ),
+        random_weights=args.random_weights,
+    )
     rows = []
     for name in args.methods.split(","):
         spec = MethodSpec(name) if name == "dense" else MethodSpec(name, budget=args.budget)
@@ -75,9 +94,14 @@ def main() -> None:
     dense = next((r["step_ms"] for r in rows if r["method"] == "dense"), None)
     for r in rows:
         r["x_dense"] = r["step_ms"] / dense if dense else None
-    result = {"device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
-              "model": engine.model_dir.name, "backend": engine.backend.name, "page_size": engine.config.page_size,
-              "threads": torch.get_num_threads(), "rows": rows}
+    result = {
+        "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
+        "model": engine.model_dir.name,
+        "backend": engine.backend.name,
+        "page_size": engine.config.page_size,
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")

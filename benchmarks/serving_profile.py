@@ -57,13 +57,22 @@ SPANS = [
     (None, "session_info", "cmd.session_info"),
     (None, "end_session", "cmd.end_session"),
 ]
-COUNTERS = ("forward_passes", "graph_steps", "preemptions", "swaps", "demotions", "evicted_pages", "evicted_tokens",
-            "decoded_tokens")
+COUNTERS = (
+    "forward_passes",
+    "graph_steps",
+    "preemptions",
+    "swaps",
+    "demotions",
+    "evicted_pages",
+    "evicted_tokens",
+    "decoded_tokens",
+)
 
 
 class ServingProfile:
-    def __init__(self, engine: Any, mode: str = "sync", count_syncs: bool = False, torch_steps: int = 0,
-                 torch_from: int = 3):
+    def __init__(
+        self, engine: Any, mode: str = "sync", count_syncs: bool = False, torch_steps: int = 0, torch_from: int = 3
+    ):
         import torch
 
         if mode not in ("sync", "host"):
@@ -81,7 +90,11 @@ class ServingProfile:
         self._thread: int | None = None  # the engine thread (the first one to run a step)
         self.reset()
         for owner, attr, name in SPANS:
-            obj = engine if owner is None else functools.reduce(lambda o, a: getattr(o, a, None), owner.split("."), engine)
+            obj = (
+                engine
+                if owner is None
+                else functools.reduce(lambda o, a: getattr(o, a, None), owner.split("."), engine)
+            )
             if obj is not None and hasattr(obj, attr):
                 setattr(obj, attr, self._wrap(getattr(obj, attr), name))
 
@@ -100,14 +113,21 @@ class ServingProfile:
     def report(self) -> dict:
         wall = time.perf_counter() - self._t0
         now = self._counters()
-        spans = {k: {"calls": int(c), "total_s": round(t, 4), "self_s": round(s, 4)}
-                 for k, (c, t, s) in sorted(self.spans.items(), key=lambda kv: -kv[1][2])}
+        spans = {
+            k: {"calls": int(c), "total_s": round(t, 4), "self_s": round(s, 4)}
+            for k, (c, t, s) in sorted(self.spans.items(), key=lambda kv: -kv[1][2])
+        }
         busy = self.spans["step"][1] + sum(v[1] for k, v in self.spans.items() if k.startswith("cmd."))
-        return {"mode": self.mode, "wall_s": round(wall, 3), "engine_busy_s": round(busy, 3),
-                "engine_steps": self.steps, "spans": spans,
-                "counters": {k: now[k] - self._counters0.get(k, 0) for k in now},
-                "host_syncs": dict(self.sync_sites.most_common(25)) if self.count_syncs else None,
-                "torch_profile": self.torch_tables or None}
+        return {
+            "mode": self.mode,
+            "wall_s": round(wall, 3),
+            "engine_busy_s": round(busy, 3),
+            "engine_steps": self.steps,
+            "spans": spans,
+            "counters": {k: now[k] - self._counters0.get(k, 0) for k in now},
+            "host_syncs": dict(self.sync_sites.most_common(25)) if self.count_syncs else None,
+            "torch_profile": self.torch_tables or None,
+        }
 
     def _counters(self) -> dict[str, int]:
         stats = self.engine.stats()
@@ -176,7 +196,10 @@ class ServingProfile:
                 by = "cuda_time_total" if self.cuda else "cpu_time_total"
                 self.torch_tables = {
                     "by_device_time": ka.table(sort_by=by, row_limit=25, max_name_column_width=70),
-                    "by_host_self_time": ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)}
+                    "by_host_self_time": ka.table(
+                        sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70
+                    ),
+                }
                 self._prof = None
 
     def _counting_syncs(self, run):
@@ -196,14 +219,20 @@ class ServingProfile:
 
 def print_report(config: str, rep: dict, rows: int = 14) -> None:
     busy = rep["engine_busy_s"] or 1e-9
-    print(f"  profile of {config} ({rep['mode']}): engine busy {rep['engine_busy_s']:.2f} s of {rep['wall_s']:.2f} s wall, "
-          f"{rep['engine_steps']} steps; " + ", ".join(f"{k} {v}" for k, v in rep["counters"].items() if v))
+    print(
+        f"  profile of {config} ({rep['mode']}): engine busy {rep['engine_busy_s']:.2f} s of {rep['wall_s']:.2f} s wall, "
+        f"{rep['engine_steps']} steps; " + ", ".join(f"{k} {v}" for k, v in rep["counters"].items() if v)
+    )
     for name, s in list(rep["spans"].items())[:rows]:
-        print(f"    {name:<32} self {s['self_s']:8.3f} s ({100 * s['self_s'] / busy:5.1f}%)  total {s['total_s']:8.3f} s  "
-              f"calls {s['calls']}")
+        print(
+            f"    {name:<32} self {s['self_s']:8.3f} s ({100 * s['self_s'] / busy:5.1f}%)  total {s['total_s']:8.3f} s  "
+            f"calls {s['calls']}"
+        )
     for title, table in (rep.get("torch_profile") or {}).items():
         print(f"    torch profiler, {rep['engine_steps']} steps' prefill passes, {title}:\n{table}")
     if rep["host_syncs"]:
         total = sum(rep["host_syncs"].values())
-        print(f"    host syncs: {total} over {rep['engine_steps']} steps; top: "
-              + ", ".join(f"{k} x{n}" for k, n in list(rep["host_syncs"].items())[:8]))
+        print(
+            f"    host syncs: {total} over {rep['engine_steps']} steps; top: "
+            + ", ".join(f"{k} x{n}" for k, n in list(rep["host_syncs"].items())[:8])
+        )

@@ -38,7 +38,9 @@ class _Tok:
         return self.tok.encode(text, add_special_tokens=False)
 
     def apply_chat_template(self, messages):
-        return list(self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        return list(
+            self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
 
 
 def snapkv_keep(attentions, n: int, w: int, budget: int, H: int, rows: int | None = None) -> list[torch.Tensor]:
@@ -46,7 +48,7 @@ def snapkv_keep(attentions, n: int, w: int, budget: int, H: int, rows: int | Non
     keeps = []
     for a in attentions:
         a = a[0]
-        s = a[:, -(rows or w):, : n - w].sum(1)
+        s = a[:, -(rows or w) :, : n - w].sum(1)
         s = F.avg_pool1d(s[:, None], 5, stride=1, padding=2)[:, 0]
         s = s.view(H, -1, n - w).mean(1)
         top = s.topk(budget - w, dim=-1).indices
@@ -66,8 +68,13 @@ def greedy(model, toks: list[int], keeps, steps: int) -> list[int]:
         c.keys, c.values = c.keys.gather(2, ix), c.values.gather(2, ix)
     out = [int(o.logits[0, -1].argmax())]
     for i in range(steps - 1):
-        o = model(torch.tensor([[out[-1]]]), past_key_values=cache, position_ids=torch.tensor([[n + i]]),
-                  cache_position=torch.tensor([cache.get_seq_length()]), use_cache=True)
+        o = model(
+            torch.tensor([[out[-1]]]),
+            past_key_values=cache,
+            position_ids=torch.tensor([[n + i]]),
+            cache_position=torch.tensor([cache.get_seq_length()]),
+            use_cache=True,
+        )
         out.append(int(o.logits[0, -1].argmax()))
     return out
 
@@ -109,12 +116,16 @@ def main() -> None:
         print(f"key {key}, {n} tokens, dense {dense!r}")
         for c in configs:
             keeps = snapkv_keep(att, n, c[0], budget, H, c[1])
-            kept = sum(int(p in set(row.tolist())) for k in keeps for row in k for p in digits) / (len(keeps) * H * len(digits))
+            kept = sum(int(p in set(row.tolist())) for k in keeps for row in k for p in digits) / (
+                len(keeps) * H * len(digits)
+            )
             ans = tok.decode(greedy(model, toks, keeps, 10))
             hits[c] += key in ans
             print(f"  window {c[0]:3d}{f' scored by last {c[1]}' if c[1] else '':18s} digits kept {kept:.2f}  {ans!r}")
-    print(f"dense {dense_hits}/{args.samples}; " + "; ".join(
-        f"snapkv w={w}{f' rows={r}' if r else ''}: {h}/{args.samples}" for (w, r), h in hits.items()))
+    print(
+        f"dense {dense_hits}/{args.samples}; "
+        + "; ".join(f"snapkv w={w}{f' rows={r}' if r else ''}: {h}/{args.samples}" for (w, r), h in hits.items())
+    )
 
 
 if __name__ == "__main__":

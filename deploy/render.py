@@ -20,8 +20,14 @@ from pathlib import Path
 import yaml
 
 KNOWN = {"apiVersion", "kind", "resources", "patches", "images"}
-MERGE_KEYS = {"containers": "name", "initContainers": "name", "volumes": "name", "env": "name",
-              "volumeMounts": "mountPath", "ports": "containerPort"}
+MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "volumes": "name",
+    "env": "name",
+    "volumeMounts": "mountPath",
+    "ports": "containerPort",
+}
 
 
 class RenderError(ValueError):
@@ -96,8 +102,9 @@ def render(folder: str | Path) -> list[dict]:
             raise RenderError(f"{kfile}: only patches given by path are supported, not {patch}")
         for p in _load_docs(folder / patch["path"]):
             target = (_group(p["apiVersion"]), p["kind"], p["metadata"]["name"])
-            hits = [i for i, d in enumerate(docs)
-                    if (_group(d["apiVersion"]), d["kind"], d["metadata"]["name"]) == target]
+            hits = [
+                i for i, d in enumerate(docs) if (_group(d["apiVersion"]), d["kind"], d["metadata"]["name"]) == target
+            ]
             if len(hits) != 1:
                 raise RenderError(f"{kfile}: patch {patch['path']} matches {len(hits)} resources")
             docs[hits[0]] = merge(docs[hits[0]], p)

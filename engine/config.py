@@ -95,23 +95,47 @@ class EngineConfig:
     CUDA-graph decoding); tokens reach the outputs one step later."""
 
     def __post_init__(self) -> None:
-        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
-        _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), f"device must be auto, cpu or cuda[:N], not {self.device!r}")
-        _check(isinstance(self.tensor_parallel_size, int) and 1 <= self.tensor_parallel_size <= 64,
-               f"tensor_parallel_size must be an integer in [1, 64], not {self.tensor_parallel_size!r}")
-        _check(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0, f"page_size must be a power of two, not {self.page_size}")
+        _check(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}",
+        )
+        _check(
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            f"device must be auto, cpu or cuda[:N], not {self.device!r}",
+        )
+        _check(
+            isinstance(self.tensor_parallel_size, int) and 1 <= self.tensor_parallel_size <= 64,
+            f"tensor_parallel_size must be an integer in [1, 64], not {self.tensor_parallel_size!r}",
+        )
+        _check(
+            self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
+            f"page_size must be a power of two, not {self.page_size}",
+        )
         _check(self.num_pages is None or self.num_pages >= 1, f"num_pages must be >= 1, not {self.num_pages}")
         _check(self.kv_cache_gb is None or self.kv_cache_gb > 0, f"kv_cache_gb must be > 0, not {self.kv_cache_gb}")
-        _check(0 < self.gpu_memory_utilization <= 1, f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
+        _check(
+            0 < self.gpu_memory_utilization <= 1,
+            f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}",
+        )
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, not {self.max_num_seqs}")
-        _check(self.max_model_len is None or self.max_model_len >= 2, f"max_model_len must be >= 2, not {self.max_model_len}")
+        _check(
+            self.max_model_len is None or self.max_model_len >= 2,
+            f"max_model_len must be >= 2, not {self.max_model_len}",
+        )
         _check(self.prefill_chunk_size >= 1, f"prefill_chunk_size must be >= 1, not {self.prefill_chunk_size}")
-        _check(self.max_num_batched_tokens >= self.prefill_chunk_size,
-               f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= prefill_chunk_size ({self.prefill_chunk_size})")
-        _check(self.attention_backend in ("auto", "reference", "triton"), f"attention_backend must be auto, reference or triton, not {self.attention_backend!r}")
+        _check(
+            self.max_num_batched_tokens >= self.prefill_chunk_size,
+            f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= prefill_chunk_size ({self.prefill_chunk_size})",
+        )
+        _check(
+            self.attention_backend in ("auto", "reference", "triton"),
+            f"attention_backend must be auto, reference or triton, not {self.attention_backend!r}",
+        )
         _check(isinstance(self.method_args, dict), "method_args must be a mapping of parameter name to value")
-        _check(self.max_cached_seqs is None or self.max_cached_seqs >= self.max_num_seqs,
-               f"max_cached_seqs ({self.max_cached_seqs}) must be >= max_num_seqs ({self.max_num_seqs})")
+        _check(
+            self.max_cached_seqs is None or self.max_cached_seqs >= self.max_num_seqs,
+            f"max_cached_seqs ({self.max_cached_seqs}) must be >= max_num_seqs ({self.max_num_seqs})",
+        )
         _check(self.host_cache_gb >= 0, f"host_cache_gb must be >= 0, not {self.host_cache_gb}")
         if isinstance(self.prune_roles, str):
             self.prune_roles = [r.strip() for r in self.prune_roles.split(",") if r.strip()]

@@ -100,13 +100,16 @@ class GrammarBackend:
         try:
             import xgrammar as xgr
         except ImportError:
-            raise ConstraintError("structured output needs xgrammar (pip install 'chainkv[server]' or xgrammar)") from None
+            raise ConstraintError(
+                "structured output needs xgrammar (pip install 'chainkv[server]' or xgrammar)"
+            ) from None
 
         self._xgr = xgr
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=self.stop_token_ids)
+        self.info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids
+        )
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=2)
         self._cache: OrderedDict[Constraint, Any] = OrderedDict()
         self._cache_size = cache_size

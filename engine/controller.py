@@ -18,8 +18,20 @@ from typing import Any, Hashable, Mapping, Sequence
 import torch
 
 from engine.cache.manager import CacheManager
-from engine.lifecycle import (ChunkInfo, DecodeBatch, KeepMask, MethodError, MethodSpec, ModelShape, PrefillChunk,
-                              ScoringPass, Selection, SeqInfo, Span, SparseMethod)
+from engine.lifecycle import (
+    ChunkInfo,
+    DecodeBatch,
+    KeepMask,
+    MethodError,
+    MethodSpec,
+    ModelShape,
+    PrefillChunk,
+    ScoringPass,
+    Selection,
+    SeqInfo,
+    Span,
+    SparseMethod,
+)
 from engine.methods import create_method
 
 SeqId = Hashable
@@ -29,9 +41,11 @@ def check_layout(method: SparseMethod, fmt) -> None:
     """A method runs only on a pool whose page format is the layout it declares."""
     want = method.kv_layout()
     if (want.format, tuple(sorted(want.args))) != fmt.key:
-        raise MethodError(f"method {method.name!r} stores KV as {want.describe()} pages, but this engine's page pool "
-                          f"holds {fmt.describe()} pages (the pool's format follows the engine's configured method); "
-                          f"start an engine with this method to use it")
+        raise MethodError(
+            f"method {method.name!r} stores KV as {want.describe()} pages, but this engine's page pool "
+            f"holds {fmt.describe()} pages (the pool's format follows the engine's configured method); "
+            f"start an engine with this method to use it"
+        )
 
 
 def _overrides(method: SparseMethod, hook: str) -> bool:
@@ -229,7 +243,7 @@ class SparseController:
                     tm = sel.token_mask.to(dev)
                     mask[torch.tensor(rows, device=dev), :, : tm.shape[-1]] = tm
                     if tm.shape[-1] < T:
-                        mask[torch.tensor(rows, device=dev), :, tm.shape[-1]:] = False
+                        mask[torch.tensor(rows, device=dev), :, tm.shape[-1] :] = False
             merged.token_mask = mask
         return merged
 
@@ -276,8 +290,9 @@ class SparseController:
         layers = torch.arange(L).repeat_interleave(H).repeat(B)
         heads = torch.arange(H).repeat(B * L)
         prot = torch.tensor([self._protected.get(s, 0) for s in decided.seq_ids]).repeat_interleave(L * H)
-        result = self.manager.compact_mask(slots, layers, heads, decided.mask.reshape(B * L * H, T),
-                                           prot if bool(prot.any()) else None)
+        result = self.manager.compact_mask(
+            slots, layers, heads, decided.mask.reshape(B * L * H, T), prot if bool(prot.any()) else None
+        )
         self.evicted_pages += result.pages_freed
         self.evicted_tokens += result.tokens_removed
 

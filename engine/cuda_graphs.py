@@ -37,8 +37,15 @@ def default_buckets(max_batch: int) -> list[int]:
 class GraphDecodeAttention:
     """``attend`` for decode-only steps: static buffers in, no Python per token or per sequence."""
 
-    def __init__(self, manager: CacheManager, rows: torch.Tensor, slot_mapping: torch.Tensor, scale: float, splits: int,
-                 method=None):
+    def __init__(
+        self,
+        manager: CacheManager,
+        rows: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        scale: float,
+        splits: int,
+        method=None,
+    ):
         self.manager = manager
         self.rows = rows  # [B] int32: cache slot of each batch row
         self.slot_mapping = slot_mapping  # [L, B, H] int64
@@ -57,8 +64,18 @@ class GraphDecodeAttention:
             if selected is not None:
                 count = (selected >= 0).sum(-1, dtype=torch.int32)
                 selected = selected.to(torch.int32)
-        out, _ = paged_decode(q, pool.k, pool.v, tables, lengths, self.rows, self.scale, splits=self.splits,
-                              selected=selected, selected_count=count)
+        out, _ = paged_decode(
+            q,
+            pool.k,
+            pool.v,
+            tables,
+            lengths,
+            self.rows,
+            self.scale,
+            splits=self.splits,
+            selected=selected,
+            selected_count=count,
+        )
         return out
 
 
@@ -75,7 +92,7 @@ class DecodeGraphs:
         self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
         self.rows = torch.zeros(self.max_batch, dtype=torch.int32, device=dev)
         self.slot_mapping = torch.zeros(L, self.max_batch, H, dtype=torch.long, device=dev)
-        self.scale = model.cfg.head_dim ** -0.5
+        self.scale = model.cfg.head_dim**-0.5
         self.num_sms = num_sms
         # an empty cache slot for padding rows, and one scratch page their K/V lands in
         manager.open(PAD_SLOT)
@@ -116,8 +133,14 @@ class DecodeGraphs:
         self.positions[start:end] = 0
         self.slot_mapping[:, start:end] = self.scratch * self.manager.page_size
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-            slot_mapping: torch.Tensor, method=None) -> torch.Tensor:
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        rows: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        method=None,
+    ) -> torch.Tensor:
         """Logits ``[B, V]`` of one decode step (``slot_mapping`` ``[L, B, H]`` from CacheManager.append);
         ``method``: every row's method, whose selection the graph runs (None: dense attention)."""
         B = input_ids.shape[0]

@@ -131,7 +131,12 @@ class MethodSpec:
         return cls(config.method, config.budget, config.budget_ratio, dict(config.method_args))
 
     def key(self) -> tuple:
-        return (self.method, self.budget, self.budget_ratio, tuple(sorted((k, repr(v)) for k, v in self.method_args.items())))
+        return (
+            self.method,
+            self.budget,
+            self.budget_ratio,
+            tuple(sorted((k, repr(v)) for k, v in self.method_args.items())),
+        )
 
 
 class KVReader(Protocol):
@@ -360,8 +365,9 @@ class SparseMethod:
     def prepare_graph_decode(self, cache: Any, seq_ids: Sequence[SeqId]) -> None:
         """Host-side work before a graph replay of a decode step over ``seq_ids``."""
 
-    def graph_decode_view(self, layer: int, cache: Any, q: torch.Tensor, tables: torch.Tensor,
-                          lengths: torch.Tensor) -> torch.Tensor | None:
+    def graph_decode_view(
+        self, layer: int, cache: Any, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor | None:
         """Inside the graph: page lists ``[B, H, K]`` (-1 after the valid entries, which come first)
         that each head reads this step, from ``q`` ``[B, Hq, D]``, the batch's page tables ``[B, H, NP]``
         (``NP`` = the cache's widest table) and lengths ``[B, H]`` (device, the step's token
@@ -407,7 +413,9 @@ def build_params(cls: type, args: Mapping[str, Any]) -> Any:
     names = {f.name: f for f in dataclasses.fields(cls.Params)}
     unknown = sorted(set(args) - set(names))
     if unknown:
-        raise MethodError(f"method {cls.name!r} has no parameter(s) {', '.join(unknown)}; it takes {', '.join(names) or 'none'}")
+        raise MethodError(
+            f"method {cls.name!r} has no parameter(s) {', '.join(unknown)}; it takes {', '.join(names) or 'none'}"
+        )
     values = {}
     for key, value in args.items():
         default = names[key].default

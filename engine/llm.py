@@ -31,7 +31,14 @@ from engine.distributed.sharding import shard_layout
 from engine.distributed.snapshots import for_rank as snapshot_for_rank
 from engine.methods import get_method_class
 from engine.model.llama import LlamaForCausalLM
-from engine.model.loader import ModelConfig, load_hf_config, load_tokenizer, parse_hf_config, read_safetensors, resolve_model_dir
+from engine.model.loader import (
+    ModelConfig,
+    load_hf_config,
+    load_tokenizer,
+    parse_hf_config,
+    read_safetensors,
+    resolve_model_dir,
+)
 from engine.requests import CapacityError, RequestError, RequestFactory
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
@@ -63,7 +70,9 @@ class LLMEngine:
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if mc.sliding_window and self.max_model_len > mc.sliding_window:
-            log.warning("%s uses a sliding window of %d; max_model_len capped to it", mc.architecture, mc.sliding_window)
+            log.warning(
+                "%s uses a sliding window of %d; max_model_len capped to it", mc.architecture, mc.sliding_window
+            )
             self.max_model_len = mc.sliding_window
         self.tokenizer = load_tokenizer(self.model_dir)
 
@@ -72,35 +81,52 @@ class LLMEngine:
         if self.shard is None:
             self.model = LlamaForCausalLM.create(mc, self.hf_config, self.max_model_len, self.dtype, self.device)
         else:
-            self.model = TensorParallelLlama.create_shard(mc, self.shard, self.hf_config, self.max_model_len,
-                                                          self.dtype, self.device)
-        num_heads, num_kv_heads = (mc.num_heads, mc.num_kv_heads) if self.shard is None else \
-            (self.shard.num_heads, self.shard.num_kv_heads)  # a rank caches only its own kv-heads
+            self.model = TensorParallelLlama.create_shard(
+                mc, self.shard, self.hf_config, self.max_model_len, self.dtype, self.device
+            )
+        num_heads, num_kv_heads = (
+            (mc.num_heads, mc.num_kv_heads) if self.shard is None else (self.shard.num_heads, self.shard.num_kv_heads)
+        )  # a rank caches only its own kv-heads
         if random_weights:
             self.model.init_random(seed=config.seed)
         else:
             self.model.load_weights(read_safetensors(self.model_dir))
         self.model.eval()
 
-        self.shape = ModelShape(num_layers=mc.num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                head_dim=mc.head_dim, page_size=config.page_size,
-                                rope_cos=self.model.rope_cos, rope_sin=self.model.rope_sin, device=self.device)
+        self.shape = ModelShape(
+            num_layers=mc.num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=mc.head_dim,
+            page_size=config.page_size,
+            rope_cos=self.model.rope_cos,
+            rope_sin=self.model.rope_sin,
+            device=self.device,
+        )
         slots = config.max_cached_seqs or 4 * config.max_num_seqs
         # the pool stores pages in the layout the configured method declares (plain, fp8, kivi, ...)
         layout = get_method_class(config.method)(self.default_spec, self.shape).kv_layout()
         fmt = make_format(layout.format, layout.args, config.page_size, mc.head_dim, self.dtype)
         max_open = staging_pages(fmt, slots, mc.num_layers, num_kv_heads)
         pages = num_pages(config, fmt, max_open, mc.num_layers, num_kv_heads, self.device)
-        self.pool = PagePool(pages, config.page_size, mc.head_dim, self.dtype, self.device, format=fmt,
-                             max_open_pages=max_open)
+        self.pool = PagePool(
+            pages, config.page_size, mc.head_dim, self.dtype, self.device, format=fmt, max_open_pages=max_open
+        )
         self.manager = CacheManager(self.pool, mc.num_layers, num_kv_heads, slots, self.max_model_len)
         self.controller = SparseController(self.shape, self.manager)
         self.controller.method_for(self.default_spec)  # a bad method setting fails here, not on the first request
-        self.requests = RequestFactory(vocab_size=mc.vocab_size, max_model_len=self.max_model_len,
-                                       prefill_chunk_size=config.prefill_chunk_size, seed=config.seed,
-                                       manager=self.manager, controller=self.controller, tokenizer=self.tokenizer)
-        self.chains = ChainCache(config, self.manager, self.controller, self.requests, self.default_spec,
-                                 self.fingerprint())
+        self.requests = RequestFactory(
+            vocab_size=mc.vocab_size,
+            max_model_len=self.max_model_len,
+            prefill_chunk_size=config.prefill_chunk_size,
+            seed=config.seed,
+            manager=self.manager,
+            controller=self.controller,
+            tokenizer=self.tokenizer,
+        )
+        self.chains = ChainCache(
+            config, self.manager, self.controller, self.requests, self.default_spec, self.fingerprint()
+        )
         self.scheduler = Scheduler(config, self.manager, self.controller, reclaimer=self.chains.tiers)
         self.backend = attention_backend(config.attention_backend, self.device)
         graphs = None
@@ -113,8 +139,9 @@ class LLMEngine:
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.loop = StepLoop(config, self.scheduler, self.runner, self.chains, self.tokenizer, self.eos_token_ids,
-                             self.max_model_len)
+        self.loop = StepLoop(
+            config, self.scheduler, self.runner, self.chains, self.tokenizer, self.eos_token_ids, self.max_model_len
+        )
         self._grammars: GrammarBackend | None = None
         self._grammars_lock = threading.Lock()
         self.requests.matchers = lambda params: self.grammars.matcher(params.constraint, params.stop_token_ids)
@@ -132,8 +159,9 @@ class LLMEngine:
         return self._need_tokenizer().encode(text, add_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
-        out = self._need_tokenizer().apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                          tokenize=True, return_dict=False, **kwargs)
+        out = self._need_tokenizer().apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **kwargs
+        )
         return list(out)
 
     def _need_tokenizer(self):
@@ -142,8 +170,13 @@ class LLMEngine:
         return self.tokenizer
 
     # --- requests -----------------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: Hashable | None = None, method: MethodSpec | None = None) -> Hashable:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: Hashable | None = None,
+        method: MethodSpec | None = None,
+    ) -> Hashable:
         """A one-shot request: its cache is freed when it finishes (see ``add_turn`` for sessions)."""
         params = params or SamplingParams()
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -155,7 +188,9 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
-    def new_sequence(self, seq_id: Hashable, token_ids: list[int], params: SamplingParams, spec: MethodSpec) -> Sequence:
+    def new_sequence(
+        self, seq_id: Hashable, token_ids: list[int], params: SamplingParams, spec: MethodSpec
+    ) -> Sequence:
         """A validated Sequence (not yet queued)."""
         return self.requests.new_sequence(seq_id, token_ids, params, spec)
 
@@ -179,10 +214,20 @@ class LLMEngine:
         return f"{self.model_dir.name}|{mc.architecture}|{mc.num_layers}x{mc.num_kv_heads}x{mc.head_dim}|{self.dtype}|p{cfg.page_size}"
 
     # --- sessions (the Chain Cache) ----------------------------------------------------------------
-    def add_turn(self, session_id: Hashable, tokens: list[int], params: SamplingParams | None = None, *,
-                 role: str = "user", spans: list[tuple[int, int, str]] | None = None, method: MethodSpec | None = None,
-                 expected_turn_index: int | None = None, history: list[int] | None = None,
-                 shared_prefix: int = 0, prefix_scope: str = "") -> Hashable:
+    def add_turn(
+        self,
+        session_id: Hashable,
+        tokens: list[int],
+        params: SamplingParams | None = None,
+        *,
+        role: str = "user",
+        spans: list[tuple[int, int, str]] | None = None,
+        method: MethodSpec | None = None,
+        expected_turn_index: int | None = None,
+        history: list[int] | None = None,
+        shared_prefix: int = 0,
+        prefix_scope: str = "",
+    ) -> Hashable:
         """Run one turn of a session: ``tokens`` are appended to its history and only they are
         prefilled, attending to the session's cached (possibly compressed) KV. Creates the session
         on its first turn. ``history`` instead of ``tokens`` gives the whole history, which must
@@ -192,9 +237,18 @@ class LLMEngine:
         if session_id in self._seqs and session_id not in self.chains.chains:
             raise RequestError(f"id {session_id!r} is in use by a one-shot request")
         try:
-            seq = self.chains.start_turn(session_id, list(tokens), params, role=role, spans=spans, method=method,
-                                         expected_turn_index=expected_turn_index, history=history,
-                                         shared_prefix=shared_prefix, prefix_scope=prefix_scope)
+            seq = self.chains.start_turn(
+                session_id,
+                list(tokens),
+                params,
+                role=role,
+                spans=spans,
+                method=method,
+                expected_turn_index=expected_turn_index,
+                history=history,
+                shared_prefix=shared_prefix,
+                prefix_scope=prefix_scope,
+            )
         except CapacityError:
             raise
         except RequestError as e:
@@ -227,8 +281,14 @@ class LLMEngine:
         rank = 0 if self.shard is None else self.shard.rank
         self.chains.load(snapshot_for_rank(snapshot, self.config.tensor_parallel_size, rank), source)
 
-    def add_prefilled_request(self, num_tokens: int, kv_tokens: int | torch.Tensor, params: SamplingParams,
-                              method: MethodSpec | None = None, seed: int = 0) -> Hashable:
+    def add_prefilled_request(
+        self,
+        num_tokens: int,
+        kv_tokens: int | torch.Tensor,
+        params: SamplingParams,
+        method: MethodSpec | None = None,
+        seed: int = 0,
+    ) -> Hashable:
         """Benchmarks: a request already past a ``num_tokens`` prefill whose cache holds
         ``kv_tokens`` per (layer, kv-head) (an int, or ``[L, H]`` for per-head budgets) of
         synthetic KV (whatever the pool's pages hold). It decodes from the next step on."""
@@ -275,11 +335,17 @@ class LLMEngine:
     def logits_of(self, request_id: Hashable) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(prompt logits ``[prompt_len, V]``, step logits ``[generated, V]``) kept for a live request."""
         seq = self._seqs[request_id]
-        return (torch.cat(seq.prompt_logits) if seq.prompt_logits else None,
-                torch.stack(seq.step_logits) if seq.step_logits else None)
+        return (
+            torch.cat(seq.prompt_logits) if seq.prompt_logits else None,
+            torch.stack(seq.step_logits) if seq.step_logits else None,
+        )
 
-    def generate(self, prompts: Iterable[str | list[int]] | str | list[int], params: SamplingParams | list[SamplingParams] | None = None,
-                 method: MethodSpec | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Iterable[str | list[int]] | str | list[int],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        method: MethodSpec | None = None,
+    ) -> list[RequestOutput]:
         """Run prompts to completion; outputs in prompt order (each with its logits if asked for)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -317,4 +383,3 @@ class LLMEngine:
             "prefix_holders": self.chains.prefixes.num_holders,
             **self.totals,
         }
-

@@ -116,6 +116,7 @@ class PrefixIndex:
 
 # --- pruning --------------------------------------------------------------------------------------
 
+
 @dataclass
 class QueryWindow:
     """The last ``size`` queries of a sequence in every layer (they score keep_ratio pruning)."""
@@ -142,8 +143,17 @@ class QueryWindow:
         return self.q[layer, : min(self.count[layer], self.size)]
 
 
-def prune_span(manager: CacheManager, seq_id, start: int, end: int, policy: str, keep_ratio: float,
-               scope: str, queries: QueryWindow | None, protected: int) -> int:
+def prune_span(
+    manager: CacheManager,
+    seq_id,
+    start: int,
+    end: int,
+    policy: str,
+    keep_ratio: float,
+    scope: str,
+    queries: QueryWindow | None,
+    protected: int,
+) -> int:
     """Shrink the KV of logical positions [start, end) in every layer, in one compaction; returns
     the tokens removed (summed over layers and kv-heads)."""
     pos = manager.positions(seq_id)  # [L, H, T]
@@ -151,8 +161,10 @@ def prune_span(manager: CacheManager, seq_id, start: int, end: int, policy: str,
     keep = (pos >= 0) & ~in_span
     if policy == "keep_ratio":
         if queries is None:
-            raise PruneRuleError("keep_ratio pruning ranks tokens by recent queries, which the engine records only "
-                                 "when it runs with prune_policy keep_ratio")
+            raise PruneRuleError(
+                "keep_ratio pruning ranks tokens by recent queries, which the engine records only "
+                "when it runs with prune_policy keep_ratio"
+            )
         for layer in range(manager.num_layers):
             q = queries.get(layer)
             if q is None:
@@ -175,7 +187,9 @@ def _attention_scores(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor) -
     return torch.softmax(s, dim=-1).mean(dim=(1, 2))
 
 
-def _top_in_span(scores: torch.Tensor, pos: torch.Tensor, in_span: torch.Tensor, ratio: float, scope: str) -> torch.Tensor:
+def _top_in_span(
+    scores: torch.Tensor, pos: torch.Tensor, in_span: torch.Tensor, ratio: float, scope: str
+) -> torch.Tensor:
     """``[H, T]`` bool: the span tokens to keep, the ``ratio`` best by score."""
     H, T = scores.shape
     out = torch.zeros_like(in_span)

@@ -61,8 +61,14 @@ def check_span(start: int, end: int, history_len: int | None = None) -> None:
         raise PruneRuleError(f"span ({start}, {end}) lies outside the {history_len}-token history")
 
 
-def due_spans(spans: Iterable[PrunableSpan], turn_index: int, roles: Iterable[str], *, lag: int | None = None,
-              trigger_tokens: int | None = None) -> Iterator[tuple[int, int, str]]:
+def due_spans(
+    spans: Iterable[PrunableSpan],
+    turn_index: int,
+    roles: Iterable[str],
+    *,
+    lag: int | None = None,
+    trigger_tokens: int | None = None,
+) -> Iterator[tuple[int, int, str]]:
     """The spans the rule prunes now, as (start, end, reason); reason is ``lag`` or ``trigger``.
     Lazy: a span pruned while the caller iterates is seen as pruned."""
     roles = set(roles)

@@ -31,8 +31,17 @@ class CapacityError(RequestError):
 class RequestFactory:
     """Validated Sequences for one engine (its vocabulary, length limit, methods and pool)."""
 
-    def __init__(self, *, vocab_size: int, max_model_len: int, prefill_chunk_size: int, seed: int,
-                 manager: CacheManager, controller: SparseController, tokenizer: Any):
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        prefill_chunk_size: int,
+        seed: int,
+        manager: CacheManager,
+        controller: SparseController,
+        tokenizer: Any,
+    ):
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.prefill_chunk_size = prefill_chunk_size
@@ -44,7 +53,9 @@ class RequestFactory:
         self.matchers = None
         """Structured output: ``SamplingParams -> Matcher`` (set by the engine; engine/constrained.py)."""
 
-    def new_sequence(self, seq_id: Hashable, token_ids: list[int], params: SamplingParams, spec: MethodSpec) -> Sequence:
+    def new_sequence(
+        self, seq_id: Hashable, token_ids: list[int], params: SamplingParams, spec: MethodSpec
+    ) -> Sequence:
         """A validated Sequence (not yet queued)."""
         self.check_tokens(token_ids, 0, params, spec)
         matcher = self.matcher(params)

@@ -51,8 +51,9 @@ class InFlight:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, manager: CacheManager, controller: SparseController, backend,
-                 graphs=None):
+    def __init__(
+        self, model: LlamaForCausalLM, manager: CacheManager, controller: SparseController, backend, graphs=None
+    ):
         self.model = model
         self.manager = manager
         self.controller = controller
@@ -60,7 +61,7 @@ class ModelRunner:
         self.graphs = graphs
         """DecodeGraphs (GPU): decode steps that need no method hooks replay a CUDA graph."""
         self.device = manager.device
-        self.scale = model.cfg.head_dim ** -0.5
+        self.scale = model.cfg.head_dim**-0.5
         self.forward_passes = 0
         self.graph_steps = 0
         self._graph_method = None  # set by graph_ok: the method whose decode selection the graph runs
@@ -110,8 +111,14 @@ class ModelRunner:
         host.copy_(tokens, non_blocking=True)  # queued now, so reading it waits for this step only
         done = torch.cuda.Event()
         done.record()
-        return InFlight(seqs=seqs, serials=[s.turn_serial for s in seqs], slots=[len(s.token_ids) for s in seqs],
-                        tokens=tokens, host_tokens=host, done=done)
+        return InFlight(
+            seqs=seqs,
+            serials=[s.turn_serial for s in seqs],
+            slots=[len(s.token_ids) for s in seqs],
+            tokens=tokens,
+            host_tokens=host,
+            done=done,
+        )
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, query_windows: dict | None = None) -> StepResult:
@@ -128,8 +135,16 @@ class ModelRunner:
         segments = []
         for seq, n in batch.prefill:
             start = seq.num_cached
-            segments.append(PrefillSegment(seq_id=seq.seq_id, slot=self.manager.slot(seq.seq_id), offset=len(ids),
-                                           length=n, start=start, is_last=start + n == seq.num_tokens))
+            segments.append(
+                PrefillSegment(
+                    seq_id=seq.seq_id,
+                    slot=self.manager.slot(seq.seq_id),
+                    offset=len(ids),
+                    length=n,
+                    start=start,
+                    is_last=start + n == seq.num_tokens,
+                )
+            )
             ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             seq_ids.append(seq.seq_id)
@@ -138,11 +153,18 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.long)
         slot_mapping = self.manager.append(seq_ids, counts, pos_t)
         pos_dev = to_device(pos_t, self.device)
-        attend = PagedAttention(self.manager, self.controller, self.backend, self.scale,
-                                decode_ids=[s.seq_id for s in batch.decode],
-                                decode_num_tokens=[s.num_cached + 1 for s in batch.decode],
-                                segments=segments, slot_mapping=slot_mapping, positions=pos_dev,
-                                query_windows=query_windows)
+        attend = PagedAttention(
+            self.manager,
+            self.controller,
+            self.backend,
+            self.scale,
+            decode_ids=[s.seq_id for s in batch.decode],
+            decode_num_tokens=[s.num_cached + 1 for s in batch.decode],
+            segments=segments,
+            slot_mapping=slot_mapping,
+            positions=pos_dev,
+            query_windows=query_windows,
+        )
 
         sampling = list(batch.decode)
         rows = list(range(len(batch.decode)))  # flattened tokens whose logits we compute
@@ -160,7 +182,9 @@ class ModelRunner:
 
         input_ids = to_device(torch.tensor(ids, dtype=torch.long), self.device)
         try:
-            logits = self.model(input_ids, pos_dev, attend, to_device(torch.tensor(rows, dtype=torch.long), self.device))
+            logits = self.model(
+                input_ids, pos_dev, attend, to_device(torch.tensor(rows, dtype=torch.long), self.device)
+            )
         except BaseException:
             self.controller.drop_pending_evictions()
             raise
@@ -205,12 +229,27 @@ class ModelRunner:
                     start = seq.num_cached + s
                     pos = torch.arange(start, start + len(ids))
                     slot_mapping = self.manager.append([sid], [len(ids)], pos)
-                    seg = PrefillSegment(seq_id=sid, slot=slot, offset=0, length=len(ids), start=start, is_last=False,
-                                         context_lengths=context)
+                    seg = PrefillSegment(
+                        seq_id=sid,
+                        slot=slot,
+                        offset=0,
+                        length=len(ids),
+                        start=start,
+                        is_last=False,
+                        context_lengths=context,
+                    )
                     pos_dev = to_device(pos, self.device)
-                    attend = PagedAttention(self.manager, self.controller, self.backend, self.scale, decode_ids=[],
-                                            decode_num_tokens=[], segments=[seg], slot_mapping=slot_mapping,
-                                            positions=pos_dev)
+                    attend = PagedAttention(
+                        self.manager,
+                        self.controller,
+                        self.backend,
+                        self.scale,
+                        decode_ids=[],
+                        decode_num_tokens=[],
+                        segments=[seg],
+                        slot_mapping=slot_mapping,
+                        positions=pos_dev,
+                    )
                     input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
                     self.model(input_ids, pos_dev, attend, torch.tensor([len(ids) - 1], device=self.device))
                     self.forward_passes += 1

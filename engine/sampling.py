@@ -61,7 +61,9 @@ class SamplingParams:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise SamplingError(f"max_tokens must be a positive integer, not {self.max_tokens!r}")
         if not _is_real(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
-            raise SamplingError(f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}], not {self.temperature!r}")
+            raise SamplingError(
+                f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}], not {self.temperature!r}"
+            )
         if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
             raise SamplingError(f"top_k must be an integer in [0, {MAX_TOP_K}], not {self.top_k!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
@@ -101,8 +103,12 @@ class RowFailed(RuntimeError):
     """Sampling one row failed; only that row's request is affected."""
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           constrain: Callable[[torch.Tensor], None] | None = None) -> tuple[list[int | None], list[str | None]]:
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    constrain: Callable[[torch.Tensor], None] | None = None,
+) -> tuple[list[int | None], list[str | None]]:
     """One token per row of ``logits`` ``[M, V]`` (float32), and per row the error that stopped it
     (None when it sampled). A failed row's token is None. ``constrain`` first masks, in place, the
     rows of constrained sequences (their grammars' token bitmasks; ``GrammarBackend.apply_masks``)."""

@@ -68,8 +68,13 @@ class Reclaimer(Protocol):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, manager: CacheManager, controller: SparseController,
-                 reclaimer: Reclaimer | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        manager: CacheManager,
+        controller: SparseController,
+        reclaimer: Reclaimer | None = None,
+    ):
         self.config = config
         self.manager = manager
         self.controller = controller
@@ -128,7 +133,11 @@ class Scheduler:
             n = 1 if seq.in_decode else self._chunk(seq, budget)
             plan.append((seq, n))
             budget -= n
-        needs = self.manager.pages_for_append_each([s.seq_id for s, _ in plan], [n for _, n in plan]).tolist() if plan else []
+        needs = (
+            self.manager.pages_for_append_each([s.seq_id for s, _ in plan], [n for _, n in plan]).tolist()
+            if plan
+            else []
+        )
         dropped: set[int] = set()
         for (seq, n), need in zip(plan, needs):
             if id(seq) in dropped:
@@ -169,7 +178,9 @@ class Scheduler:
                     break
                 if need > pool.num_free:  # nothing runs that could free pages: it never fits
                     self.waiting.popleft()
-                    batch.failed.append((seq, f"the KV pool ({pool.num_pages} pages) cannot hold a chunk of this sequence"))
+                    batch.failed.append(
+                        (seq, f"the KV pool ({pool.num_pages} pages) cannot hold a chunk of this sequence")
+                    )
                     continue
             self.waiting.popleft()
             if not cached:
@@ -203,4 +214,3 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
         batch.preempted.append(seq)
-

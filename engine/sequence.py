@@ -35,8 +35,16 @@ class SeqCounters:
 
 
 class Sequence:
-    def __init__(self, seq_id: Hashable, token_ids: list[int], params: SamplingParams, spec: MethodSpec,
-                 tokenizer: Any, generator: torch.Generator | None, num_cached: int = 0):
+    def __init__(
+        self,
+        seq_id: Hashable,
+        token_ids: list[int],
+        params: SamplingParams,
+        spec: MethodSpec,
+        tokenizer: Any,
+        generator: torch.Generator | None,
+        num_cached: int = 0,
+    ):
         self.seq_id = seq_id
         self.token_ids = list(token_ids)
         """The whole logical history: everything fed so far plus everything sampled."""

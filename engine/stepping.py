@@ -27,8 +27,16 @@ log = logging.getLogger(__name__)
 
 
 class StepLoop:
-    def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, chains: ChainCache,
-                 tokenizer: Any, eos_token_ids: set[int], max_model_len: int):
+    def __init__(
+        self,
+        config: EngineConfig,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        chains: ChainCache,
+        tokenizer: Any,
+        eos_token_ids: set[int],
+        max_model_len: int,
+    ):
         self.config = config
         self.scheduler = scheduler
         self.runner = runner
@@ -44,8 +52,14 @@ class StepLoop:
         """A launched decode step whose tokens are not read yet."""
         self.grammar_masks = None
         """Structured output: ``(logits, matchers) -> None`` masking the constrained rows (set by the engine)."""
-        self.totals = {"decoded_tokens": 0, "finished_stop": 0, "finished_length": 0, "finished_abort": 0,
-                       "finished_error": 0, "finished_failed": 0}
+        self.totals = {
+            "decoded_tokens": 0,
+            "finished_stop": 0,
+            "finished_length": 0,
+            "finished_abort": 0,
+            "finished_error": 0,
+            "finished_failed": 0,
+        }
         """Engine-wide counters since start."""
 
     def has_unfinished(self) -> bool:
@@ -91,8 +105,9 @@ class StepLoop:
             constrain = None
             if self.grammar_masks is not None and any(m is not None for m in matchers):
                 constrain = lambda logits: self.grammar_masks(logits, matchers)  # noqa: E731
-            tokens, errors = sample(result.logits, [s.params for s in result.sampling],
-                                    [s.generator for s in result.sampling], constrain)
+            tokens, errors = sample(
+                result.logits, [s.params for s in result.sampling], [s.generator for s in result.sampling], constrain
+            )
             now = time.monotonic()
             for seq, tok, err, row in zip(result.sampling, tokens, errors, result.logits):
                 touched.append(seq)
@@ -118,8 +133,14 @@ class StepLoop:
         if s.waiting or not s.running:
             return False
         chains = self.chains.chains
-        return all(q.in_decode and q.params.greedy and not q.params.return_logits and q.matcher is None
-                   and not (q.seq_id in chains and chains[q.seq_id].queries is not None) for q in s.running)
+        return all(
+            q.in_decode
+            and q.params.greedy
+            and not q.params.return_logits
+            and q.matcher is None
+            and not (q.seq_id in chains and chains[q.seq_id].queries is not None)
+            for q in s.running
+        )
 
     def _complete(self, inflight: InFlight) -> list[Sequence]:
         """Wait for a launched step's tokens and take them in (stop checks, text, outputs)."""

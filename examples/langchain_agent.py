@@ -41,8 +41,14 @@ TOOLS = {t.name: t for t in (calculator, clock)}
 QUESTIONS = ["What is 37 * 41? Use the calculator.", "What time is it?", "Thanks! Summarize our chat in one sentence."]
 
 
-def run(target: str, questions: list[str] = QUESTIONS, max_tokens: int = 96, max_hops: int = 3,
-        thread_id: str | None = None, out=print) -> list[BaseMessage]:
+def run(
+    target: str,
+    questions: list[str] = QUESTIONS,
+    max_tokens: int = 96,
+    max_hops: int = 3,
+    thread_id: str | None = None,
+    out=print,
+) -> list[BaseMessage]:
     llm = ChatChainKV(target=target, max_tokens=max_tokens).bind_tools(list(TOOLS.values()))
     config = {"configurable": {"thread_id": thread_id or f"lc-agent-{uuid.uuid4().hex[:8]}"}}
     history: list[BaseMessage] = [SystemMessage("You are a helpful assistant. Call a tool when it helps.")]
@@ -53,8 +59,10 @@ def run(target: str, questions: list[str] = QUESTIONS, max_tokens: int = 96, max
             reply = llm.invoke(history, config=config)
             history.append(reply)
             u = reply.response_metadata["chainkv_usage"]
-            out(f"assistant: {reply.content}  [turn {reply.response_metadata['turn_index']}: "
-                f"{u['prompt_tokens']} new tokens, {u['reused_tokens']} reused]")
+            out(
+                f"assistant: {reply.content}  [turn {reply.response_metadata['turn_index']}: "
+                f"{u['prompt_tokens']} new tokens, {u['reused_tokens']} reused]"
+            )
             if not reply.tool_calls:
                 break
             for call in reply.tool_calls:

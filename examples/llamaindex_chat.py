@@ -23,14 +23,16 @@ from agent_adapters.llamaindex import ChainKVLLM
 QUESTIONS = ["Hi! Suggest a name for a grey cat.", "Why that name?", "Give me one more option."]
 
 
-def run(target: str, questions: list[str] = QUESTIONS, max_tokens: int = 64, session_id: str | None = None,
-        out=print) -> ChainKVLLM:
+def run(
+    target: str, questions: list[str] = QUESTIONS, max_tokens: int = 64, session_id: str | None = None, out=print
+) -> ChainKVLLM:
     llm = ChainKVLLM(target=target, session_id=session_id or f"li-chat-{uuid.uuid4().hex[:8]}", max_tokens=max_tokens)
     meta = llm.metadata
     out(f"model {meta.model_name}, context window {meta.context_window} tokens")
     memory = ChatMemoryBuffer.from_defaults(token_limit=meta.context_window - max_tokens, tokenizer_fn=str.split)
-    engine = SimpleChatEngine.from_defaults(llm=llm, memory=memory,
-                                            system_prompt="You are a friendly, concise assistant.")
+    engine = SimpleChatEngine.from_defaults(
+        llm=llm, memory=memory, system_prompt="You are a friendly, concise assistant."
+    )
     for q in questions:
         out(f"user: {q}")
         reply = engine.stream_chat(q)

@@ -114,7 +114,7 @@ class ChatRenderer:
         at = self._probe_text.rfind(_A)
         if at < 0:
             raise ChatError("the chat template does not render assistant content verbatim")
-        self.reply_close = self._probe_text[at + len(_A):]
+        self.reply_close = self._probe_text[at + len(_A) :]
         """What the template writes right after an assistant reply's content (ChatML: "<|im_end|>\\n")."""
         close_ids = self.encode(self.reply_close)
         self.end_of_turn_id = close_ids[0] if close_ids and close_ids[0] in self.eos_token_ids else None
@@ -124,7 +124,7 @@ class ChatRenderer:
             eot_text = self.tokenizer.decode([self.end_of_turn_id])
             if not self.reply_close.startswith(eot_text):
                 raise ChatError("the chat template's end-of-turn text does not start with its EOS token")
-            self._after_eot = self.reply_close[len(eot_text):]
+            self._after_eot = self.reply_close[len(eot_text) :]
         probe_user = [{"role": "user", "content": _U}]
         tool = ToolSpec("chainkv_probe_tool", "probe").openai()
         self.template_takes_tools = self._render(probe_user, [tool], True) != self._render(probe_user, None, True)
@@ -138,8 +138,9 @@ class ChatRenderer:
         return tok
 
     # --- public ---------------------------------------------------------------------------------
-    def first_turn(self, messages: list[dict], tools: list[ToolSpec] | None = None,
-                   shared_prefix_messages: int | None = None) -> RenderedTurn:
+    def first_turn(
+        self, messages: list[dict], tools: list[ToolSpec] | None = None, shared_prefix_messages: int | None = None
+    ) -> RenderedTurn:
         """A new session's first turn: the messages (and tools) rendered as a whole conversation."""
         return self._first_turn(messages, tools, shared_prefix_messages)
 
@@ -164,8 +165,9 @@ class ChatRenderer:
     def _continuation(self, messages: list[dict], history_ends_with_eot: bool) -> RenderedTurn:
         messages = [self._plain(m) for m in self._check(messages)]
         full = self._render(_PROBE + messages, None, True)
-        prefixes = self._cuts(full, messages, lambda k: self._render(_PROBE + messages[:k], None, False),
-                              first=self._probe_text)
+        prefixes = self._cuts(
+            full, messages, lambda k: self._render(_PROBE + messages[:k], None, False), first=self._probe_text
+        )
         base = len(self._probe_text)
         lead = self._after_eot if history_ends_with_eot else self.reply_close
         text = lead + full[base:]
@@ -178,9 +180,11 @@ class ChatRenderer:
         pieces = ([first] if first is not None else []) + [render_prefix(k) for k in range(1, len(messages) + 1)]
         for piece in pieces:
             if not text.startswith(piece):
-                raise ChatError("the chat template renders earlier messages differently once new ones follow; "
-                                "it cannot be used for append-only sessions")
-        return [len(p) for p in pieces[1 if first is not None else 0:]]
+                raise ChatError(
+                    "the chat template renders earlier messages differently once new ones follow; "
+                    "it cannot be used for append-only sessions"
+                )
+        return [len(p) for p in pieces[1 if first is not None else 0 :]]
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok().encode(text, add_special_tokens=False))
@@ -189,8 +193,9 @@ class ChatRenderer:
     def _render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
         kwargs = {"tools": tools} if tools else {}
         try:
-            return self._tok().apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                                      **kwargs)
+            return self._tok().apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
+            )
         except Exception as e:  # jinja raises its own errors (e.g. a template that demands alternation)
             raise ChatError(f"the chat template rejected the messages: {e}") from None
 
@@ -211,12 +216,21 @@ class ChatRenderer:
         calls = m.get("tool_calls") or []
         if calls:
             if self.template_takes_tools:
-                out["tool_calls"] = [{"id": c.get("id", ""), "type": "function",
-                                      "function": {"name": c["name"], "arguments": c.get("arguments", {})}}
-                                     for c in calls]
+                out["tool_calls"] = [
+                    {
+                        "id": c.get("id", ""),
+                        "type": "function",
+                        "function": {"name": c["name"], "arguments": c.get("arguments", {})},
+                    }
+                    for c in calls
+                ]
             else:
-                text = "".join("\n<tool_call>\n" + json.dumps({"name": c["name"], "arguments": c.get("arguments", {})})
-                               + "\n</tool_call>" for c in calls)
+                text = "".join(
+                    "\n<tool_call>\n"
+                    + json.dumps({"name": c["name"], "arguments": c.get("arguments", {})})
+                    + "\n</tool_call>"
+                    for c in calls
+                )
                 out["content"] = (out["content"] + text).lstrip("\n")
         return out
 

@@ -1,9 +1,9 @@
 """The ``chainkv`` command.
 
-    chainkv serve [ENGINE FLAGS] [--port 50051] [--store redis://...|file://...|none] [--auth-token T=TENANT]
-    chainkv demo [--target 127.0.0.1:50051]
-    chainkv generate [--model M] [--method NAME] [--budget N] [--max-tokens N] [--chat] [--json] PROMPT
-    chainkv calibrate duo_attention [--model M] [--samples N] [--out FILE]
+chainkv serve [ENGINE FLAGS] [--port 50051] [--store redis://...|file://...|none] [--auth-token T=TENANT]
+chainkv demo [--target 127.0.0.1:50051]
+chainkv generate [--model M] [--method NAME] [--budget N] [--max-tokens N] [--chat] [--json] PROMPT
+chainkv calibrate duo_attention [--model M] [--samples N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -24,15 +24,25 @@ def _methods_epilog() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="chainkv", description="chainkv: a sparse-first inference engine and agent sidecar")
+    parser = argparse.ArgumentParser(
+        prog="chainkv", description="chainkv: a sparse-first inference engine and agent sidecar"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text for one prompt",
-                         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_methods_epilog())
+    gen = sub.add_parser(
+        "generate",
+        help="generate text for one prompt",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_methods_epilog(),
+    )
     gen.add_argument("prompt", help="the prompt text ('-' reads standard input)")
-    gen.add_argument("--chat", action="store_true", help="apply the model's chat template to PROMPT as one user message")
+    gen.add_argument(
+        "--chat", action="store_true", help="apply the model's chat template to PROMPT as one user message"
+    )
     gen.add_argument("--system", default=None, help="with --chat: a system message")
-    gen.add_argument("--json", action="store_true", help="print one JSON object (token_ids, text, finish_reason, usage)")
+    gen.add_argument(
+        "--json", action="store_true", help="print one JSON object (token_ids, text, finish_reason, usage)"
+    )
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--top-k", type=int, default=0)
@@ -41,56 +51,123 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     add_engine_args(gen)
 
-    srv = sub.add_parser("serve", help="run the gRPC agent sidecar (chainkv.v1.Sidecar)",
-                         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_methods_epilog())
+    srv = sub.add_parser(
+        "serve",
+        help="run the gRPC agent sidecar (chainkv.v1.Sidecar)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_methods_epilog(),
+    )
     g = srv.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     g.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed at start)")
-    g.add_argument("--store", default=None, metavar="URL",
-                   help="session store: redis://host:port/db, rediss://..., file:///path (or a folder), or none "
-                        "(default: the folder sessions/ under $CHAINKV_CACHE or ~/.cache/chainkv)")
-    g.add_argument("--session-ttl-s", "--store-ttl", dest="session_ttl_s", type=float, default=7 * 24 * 3600.0,
-                   metavar="SECONDS", help="sessions unused this long expire: ended on the replica, and their stored "
-                                           "snapshots expire this long after their last write")
-    g.add_argument("--snapshot-kv", action=argparse.BooleanOptionalAction, default=True,
-                   help="snapshots carry the KV (resume without recompute); --no-snapshot-kv keeps only the history")
+    g.add_argument(
+        "--store",
+        default=None,
+        metavar="URL",
+        help="session store: redis://host:port/db, rediss://..., file:///path (or a folder), or none "
+        "(default: the folder sessions/ under $CHAINKV_CACHE or ~/.cache/chainkv)",
+    )
+    g.add_argument(
+        "--session-ttl-s",
+        "--store-ttl",
+        dest="session_ttl_s",
+        type=float,
+        default=7 * 24 * 3600.0,
+        metavar="SECONDS",
+        help="sessions unused this long expire: ended on the replica, and their stored "
+        "snapshots expire this long after their last write",
+    )
+    g.add_argument(
+        "--snapshot-kv",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="snapshots carry the KV (resume without recompute); --no-snapshot-kv keeps only the history",
+    )
     g.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a Turn that does not set it")
     g.add_argument("--max-message-bytes", type=int, default=4 * 2**20, help="largest gRPC message accepted or sent")
-    g.add_argument("--session-idle-s", type=float, default=3600.0,
-                   help="free sessions idle this long whose snapshot is committed (they resume from the store)")
+    g.add_argument(
+        "--session-idle-s",
+        type=float,
+        default=3600.0,
+        help="free sessions idle this long whose snapshot is committed (they resume from the store)",
+    )
     g.add_argument("--grace-s", type=float, default=30.0, help="shutdown: time for running turns to finish")
-    g.add_argument("--auth-token", action="append", default=[], metavar="TOKEN=TENANT",
-                   help="accept 'authorization: Bearer TOKEN' as TENANT (repeatable); with none, auth is off")
+    g.add_argument(
+        "--auth-token",
+        action="append",
+        default=[],
+        metavar="TOKEN=TENANT",
+        help="accept 'authorization: Bearer TOKEN' as TENANT (repeatable); with none, auth is off",
+    )
     g.add_argument("--auth-file", action="append", default=[], metavar="FILE", help="a file of 'TOKEN TENANT' lines")
     g.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS with this certificate chain")
     g.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key")
     g.add_argument("--tls-client-ca", default=None, metavar="PEM", help="require client certificates signed by this CA")
     g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
     g.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one object per line")
-    g.add_argument("--http-port", type=int, default=None, metavar="PORT",
-                   help="also serve the OpenAI-compatible HTTP API on this port (0 picks one); unset: no HTTP")
+    g.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="also serve the OpenAI-compatible HTTP API on this port (0 picks one); unset: no HTTP",
+    )
     g.add_argument("--http-host", default=None, help="address of the HTTP port (default: --host)")
-    g.add_argument("--served-model-name", default=None,
-                   help="the model name HTTP clients send (default: the model folder's name)")
-    g.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                   help="serve Prometheus metrics on this port (0 picks one); unset: no metrics")
-    g.add_argument("--metrics-host", default="127.0.0.1",
-                   help="address of the metrics port (like --host: 0.0.0.0 for every interface)")
-    g.add_argument("--durability", default="async", choices=["async", "sync"],
-                   help="async: a turn's completion is sent at once and its snapshot written behind it; sync: "
-                        "only after its snapshot commits (no acknowledged turn is lost if this replica dies)")
-    g.add_argument("--snapshot-hmac-key-file", default=None, metavar="FILE",
-                   help="sign stored sessions with HMAC-SHA256 and refuse any that fail it (one key per line; "
-                        "the first signs, all verify)")
-    g.add_argument("--max-sessions-per-tenant", type=int, default=None, metavar="N",
-                   help="live sessions one tenant may hold here (more: RESOURCE_EXHAUSTED)")
-    g.add_argument("--max-tokens-per-turn", type=int, default=None, metavar="N",
-                   help="max_tokens and new prompt tokens one turn may take (more: INVALID_ARGUMENT)")
-    g.add_argument("--tenant-limit", action="append", default=[], metavar="TENANT:KEY=N[,KEY=N]",
-                   help="one tenant's own max_sessions_per_tenant / max_tokens_per_turn (repeatable)")
+    g.add_argument(
+        "--served-model-name", default=None, help="the model name HTTP clients send (default: the model folder's name)"
+    )
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics on this port (0 picks one); unset: no metrics",
+    )
+    g.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address of the metrics port (like --host: 0.0.0.0 for every interface)",
+    )
+    g.add_argument(
+        "--durability",
+        default="async",
+        choices=["async", "sync"],
+        help="async: a turn's completion is sent at once and its snapshot written behind it; sync: "
+        "only after its snapshot commits (no acknowledged turn is lost if this replica dies)",
+    )
+    g.add_argument(
+        "--snapshot-hmac-key-file",
+        default=None,
+        metavar="FILE",
+        help="sign stored sessions with HMAC-SHA256 and refuse any that fail it (one key per line; "
+        "the first signs, all verify)",
+    )
+    g.add_argument(
+        "--max-sessions-per-tenant",
+        type=int,
+        default=None,
+        metavar="N",
+        help="live sessions one tenant may hold here (more: RESOURCE_EXHAUSTED)",
+    )
+    g.add_argument(
+        "--max-tokens-per-turn",
+        type=int,
+        default=None,
+        metavar="N",
+        help="max_tokens and new prompt tokens one turn may take (more: INVALID_ARGUMENT)",
+    )
+    g.add_argument(
+        "--tenant-limit",
+        action="append",
+        default=[],
+        metavar="TENANT:KEY=N[,KEY=N]",
+        help="one tenant's own max_sessions_per_tenant / max_tokens_per_turn (repeatable)",
+    )
     add_engine_args(srv)
 
-    cal = sub.add_parser("calibrate", help="calibrate a method's head pattern (duo_attention) on generated passkey data")
+    cal = sub.add_parser(
+        "calibrate", help="calibrate a method's head pattern (duo_attention) on generated passkey data"
+    )
     cal.add_argument("calibrated_method", choices=["duo_attention"], help="the method to calibrate")
     cal.add_argument("--samples", type=int, default=8, help="passkey samples")
     cal.add_argument("--min-tokens", type=int, default=1024, help="shortest sample")
@@ -98,13 +175,19 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--n-sink", type=int, default=128, help="sink tokens of a streaming head")
     cal.add_argument("--n-recent", type=int, default=256, help="recent tokens of a streaming head")
     cal.add_argument("--calibration-seed", type=int, default=0, help="seed of the generated samples")
-    cal.add_argument("--out", default=None, metavar="FILE",
-                     help="where to write the pattern JSON (default: duo_pattern_<model>.json); use it with "
-                          "--method-arg pattern=FILE")
+    cal.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE",
+        help="where to write the pattern JSON (default: duo_pattern_<model>.json); use it with "
+        "--method-arg pattern=FILE",
+    )
     add_engine_args(cal)
 
-    demo = sub.add_parser("demo", help="run a multi-turn session with real tool round trips (forced tool choice) "
-                                       "against a running sidecar")
+    demo = sub.add_parser(
+        "demo",
+        help="run a multi-turn session with real tool round trips (forced tool choice) against a running sidecar",
+    )
     demo.add_argument("--target", default="127.0.0.1:50051", help="the sidecar's address")
     demo.add_argument("--session", default=None, help="session id (default: a new random one)")
     demo.add_argument("--max-tokens", type=int, default=96)
@@ -129,14 +212,24 @@ def _serve_setup(args: argparse.Namespace):
         setup_logging(args.log_level, args.log_format)
         config = engine_config_from_args(args)
         auth = Authenticator.from_args(args.auth_token, args.auth_file)
-        options = ServerOptions(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
-                                limits=Limits(default_max_tokens=args.default_max_tokens), snapshot_kv=args.snapshot_kv,
-                                session_idle_s=args.session_idle_s, session_ttl_s=args.session_ttl_s,
-                                grace_s=args.grace_s, auth=auth,
-                                durability=args.durability,
-                                tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-                                tenant_limits=TenantLimits(args.max_sessions_per_tenant, args.max_tokens_per_turn,
-                                                           TenantLimits.parse_overrides(args.tenant_limit)))
+        options = ServerOptions(
+            host=args.host,
+            port=args.port,
+            max_message_bytes=args.max_message_bytes,
+            limits=Limits(default_max_tokens=args.default_max_tokens),
+            snapshot_kv=args.snapshot_kv,
+            session_idle_s=args.session_idle_s,
+            session_ttl_s=args.session_ttl_s,
+            grace_s=args.grace_s,
+            auth=auth,
+            durability=args.durability,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
+            tenant_limits=TenantLimits(
+                args.max_sessions_per_tenant, args.max_tokens_per_turn, TenantLimits.parse_overrides(args.tenant_limit)
+            ),
+        )
         store = open_store(args.store, ttl_s=args.session_ttl_s, hmac_keys=load_keys(args.snapshot_hmac_key_file))
         check_port_free(args.host, args.port)
     except (ValueError, OSError, StoreError) as e:
@@ -185,19 +278,28 @@ def serve_engine(engine, args: argparse.Namespace, setup=None) -> None:
         server = SidecarServer(engine, options, store, hooks)
         port = await server.start()
         tp = f", tensor parallel {config.tensor_parallel_size}" if config.tensor_parallel_size > 1 else ""
-        print(f"chainkv: serving chainkv.v1.Sidecar on {args.host}:{port} (model {engine.model_dir.name}, "
-              f"method {config.method}, device {engine.device}{tp}, store {store.describe() if store else 'none'}, "
-              f"auth {'on' if auth.enabled else 'off'}, snapshot hmac {'on' if store and store.hmac_keys else 'off'})",
-              flush=True)
+        print(
+            f"chainkv: serving chainkv.v1.Sidecar on {args.host}:{port} (model {engine.model_dir.name}, "
+            f"method {config.method}, device {engine.device}{tp}, store {store.describe() if store else 'none'}, "
+            f"auth {'on' if auth.enabled else 'off'}, snapshot hmac {'on' if store and store.hmac_keys else 'off'})",
+            flush=True,
+        )
         http = None
         if args.http_port is not None:
             from sidecar.http.app import HttpFront, HttpOptions
 
-            http = HttpFront(server, HttpOptions(host=args.http_host or args.host, port=args.http_port,
-                                                 served_model_name=args.served_model_name))
+            http = HttpFront(
+                server,
+                HttpOptions(
+                    host=args.http_host or args.host, port=args.http_port, served_model_name=args.served_model_name
+                ),
+            )
             http_port = await http.start()
-            print(f"chainkv: serving the OpenAI-compatible HTTP API on http://{args.http_host or args.host}:{http_port}/v1 "
-                  f"(model {http.app.state.backend.model_name})", flush=True)
+            print(
+                f"chainkv: serving the OpenAI-compatible HTTP API on http://{args.http_host or args.host}:{http_port}/v1 "
+                f"(model {http.app.state.backend.model_name})",
+                flush=True,
+            )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -206,8 +308,10 @@ def serve_engine(engine, args: argparse.Namespace, setup=None) -> None:
         turns = server.sessions.active_turns
         pending = server.writer.pending if server.writer is not None else 0
         writes = server.writer.writes if server.writer is not None else 0
-        print(f"chainkv: shutting down: draining {turns} running turn(s), writing {pending} pending snapshot(s)",
-              flush=True)
+        print(
+            f"chainkv: shutting down: draining {turns} running turn(s), writing {pending} pending snapshot(s)",
+            flush=True,
+        )
         if http is not None:
             server.draining = True  # new HTTP requests get 503 while running turns finish
         await server.stop()
@@ -215,8 +319,11 @@ def serve_engine(engine, args: argparse.Namespace, setup=None) -> None:
             await http.stop()
         written = (server.writer.writes - writes) if server.writer is not None else 0
         left = sum(s.snapshot_pending for s in server.sessions.all()) if server.store is not None else 0
-        print(f"chainkv: drained {turns - server.sessions.active_turns} turn(s); wrote {written} snapshot(s)"
-              + (f"; {left} snapshot(s) NOT written" if left else ""), flush=True)
+        print(
+            f"chainkv: drained {turns - server.sessions.active_turns} turn(s); wrote {written} snapshot(s)"
+            + (f"; {left} snapshot(s) NOT written" if left else ""),
+            flush=True,
+        )
 
     asyncio.run(main())
     print("chainkv: stopped", flush=True)
@@ -252,15 +359,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     try:
         config = engine_config_from_args(args)
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, seed=config.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=config.seed,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+        )
     except (ConfigError, SamplingError) as e:
         print(f"chainkv: {e}", file=sys.stderr)
         return 2
     engine = LLMEngine(config)
     try:
         if args.chat:
-            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": prompt}
+            ]
             tokens = engine.apply_chat_template(messages)
         else:
             tokens = engine.encode(prompt)
@@ -281,15 +397,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"chainkv: {final.error}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({
-            "token_ids": final.token_ids,
-            "text": final.text,
-            "finish_reason": final.finish_reason,
-            "usage": {"prompt_tokens": len(tokens), "generated_tokens": len(final.token_ids),
-                      "time_to_first_token_s": final.time_to_first_token,
-                      "evicted_tokens": engine.stats()["evicted_tokens"]},
-            "method": config.method,
-        }))
+        print(
+            json.dumps(
+                {
+                    "token_ids": final.token_ids,
+                    "text": final.text,
+                    "finish_reason": final.finish_reason,
+                    "usage": {
+                        "prompt_tokens": len(tokens),
+                        "generated_tokens": len(final.token_ids),
+                        "time_to_first_token_s": final.time_to_first_token,
+                        "evicted_tokens": engine.stats()["evicted_tokens"],
+                    },
+                    "method": config.method,
+                }
+            )
+        )
     else:
         print()
     return 0
@@ -303,12 +426,21 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print("chainkv: --samples must be >= 1 and 0 < --min-tokens <= --max-tokens", file=sys.stderr)
         return 2
     engine = LLMEngine(engine_config_from_args(args), num_pages=1)
-    pattern = calibrate(engine, samples=args.samples, min_tokens=args.min_tokens, max_tokens=args.max_tokens,
-                        n_sink=args.n_sink, n_recent=args.n_recent, seed=args.calibration_seed)
+    pattern = calibrate(
+        engine,
+        samples=args.samples,
+        min_tokens=args.min_tokens,
+        max_tokens=args.max_tokens,
+        n_sink=args.n_sink,
+        n_recent=args.n_recent,
+        seed=args.calibration_seed,
+    )
     path = write_pattern(pattern, args.out or f"duo_pattern_{pattern['model']}.json")
     cal = pattern["calibration"]
-    print(f"wrote {path}: {pattern['num_layers']} layers x {pattern['num_kv_heads']} kv-heads, "
-          f"{cal['answered']}/{cal['samples']} passkeys answered")
+    print(
+        f"wrote {path}: {pattern['num_layers']} layers x {pattern['num_kv_heads']} kv-heads, "
+        f"{cal['answered']}/{cal['samples']} passkeys answered"
+    )
     return 0
 
 

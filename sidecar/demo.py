@@ -26,27 +26,48 @@ from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
 
 TOOLS = [
-    pb.Tool(name="calculator", description="Evaluate an arithmetic expression, e.g. '12 * (3 + 4)'.",
-            parameters_json=json.dumps({"type": "object", "additionalProperties": False, "required": ["expression"],
-                                        "properties": {"expression": {"type": "string",
-                                                                      "pattern": "^[0-9]{1,6}( ?[-+*/] ?[0-9]{1,6}){1,4}$"}}})),
-    pb.Tool(name="clock", description="The current local date and time.",
-            parameters_json=json.dumps({"type": "object", "properties": {}, "additionalProperties": False})),
+    pb.Tool(
+        name="calculator",
+        description="Evaluate an arithmetic expression, e.g. '12 * (3 + 4)'.",
+        parameters_json=json.dumps(
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["expression"],
+                "properties": {"expression": {"type": "string", "pattern": "^[0-9]{1,6}( ?[-+*/] ?[0-9]{1,6}){1,4}$"}},
+            }
+        ),
+    ),
+    pb.Tool(
+        name="clock",
+        description="The current local date and time.",
+        parameters_json=json.dumps({"type": "object", "properties": {}, "additionalProperties": False}),
+    ),
 ]
-SYSTEM = ("You are a helpful assistant. When a tool helps, call it and wait for its result; "
-          "otherwise answer briefly.")
+SYSTEM = "You are a helpful assistant. When a tool helps, call it and wait for its result; otherwise answer briefly."
 # (question, the tool its turn must call or None): a forced call is decoded under a grammar, so even a
 # small model makes a well-formed call with valid arguments; the turn after the tool's result is free
-QUESTIONS = [("What is 37 * 41?", "calculator"), ("What time is it now?", "clock"),
-             ("Thanks! Sum up this conversation in one sentence.", None)]
+QUESTIONS = [
+    ("What is 37 * 41?", "calculator"),
+    ("What time is it now?", "clock"),
+    ("Thanks! Sum up this conversation in one sentence.", None),
+]
 ANSWER_FORMAT = pb.ResponseFormat(type="regex", regex=r"[A-Z0-9][^<\n]{0,400}")
 """A turn that does not call a tool answers in one line of words (no tool markup as text)."""
 FORCED_MAX_TOKENS = 96
 """Room for one tool call (its markup and arguments), whatever --max-tokens says."""
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg,
-        ast.UAdd: operator.pos}
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
 
 
 def calculate(expression: str) -> str:
@@ -80,33 +101,52 @@ def run_tool(name: str, arguments_json: str) -> str:
         expression = str(args.get("expression", ""))
         return f"{expression} = {calculate(expression)}. Tell the user the result in words."
     if name == "clock":
-        return ("It is " + datetime.datetime.now().strftime("%A %d %B %Y, %H:%M:%S") +
-                ". Tell the user the time in words.")
+        return (
+            "It is " + datetime.datetime.now().strftime("%A %d %B %Y, %H:%M:%S") + ". Tell the user the time in words."
+        )
     return f"error: unknown tool {name!r}"
 
 
 # where a turn found its session's KV, in words (TIER_GPU means the engine's device, a CPU included)
-TIER_WORDS = {pb.TIER_NEW: "a new session", pb.TIER_GPU: "KV in device memory", pb.TIER_HOST: "KV in host memory",
-              pb.TIER_STORE: "KV from the session store", pb.TIER_RECOMPUTE: "KV recomputed"}
+TIER_WORDS = {
+    pb.TIER_NEW: "a new session",
+    pb.TIER_GPU: "KV in device memory",
+    pb.TIER_HOST: "KV in host memory",
+    pb.TIER_STORE: "KV from the session store",
+    pb.TIER_RECOMPUTE: "KV recomputed",
+}
 
 
 def _usage_line(c: pb.TurnCompletion) -> str:
     u = c.usage
-    return (f"[turn {c.turn_index}: {u.prompt_tokens} new tokens, {u.reused_tokens} reused from cache, "
-            f"{u.prefilled_tokens} prefilled, {u.generated_tokens} generated, "
-            f"ttft {u.time_to_first_token_s * 1000:.0f} ms, {TIER_WORDS.get(u.source_tier, 'tier unknown')}, "
-            f"history {u.history_tokens} tokens, finish {pb.FinishReason.Name(c.finish_reason)[14:].lower()}]")
+    return (
+        f"[turn {c.turn_index}: {u.prompt_tokens} new tokens, {u.reused_tokens} reused from cache, "
+        f"{u.prefilled_tokens} prefilled, {u.generated_tokens} generated, "
+        f"ttft {u.time_to_first_token_s * 1000:.0f} ms, {TIER_WORDS.get(u.source_tier, 'tier unknown')}, "
+        f"history {u.history_tokens} tokens, finish {pb.FinishReason.Name(c.finish_reason)[14:].lower()}]"
+    )
 
 
-def turn(stub, metadata, session: str, messages: list[pb.Message], max_tokens: int, first: bool,
-         force: str | None = None, out=sys.stdout) -> pb.TurnCompletion:
+def turn(
+    stub,
+    metadata,
+    session: str,
+    messages: list[pb.Message],
+    max_tokens: int,
+    first: bool,
+    force: str | None = None,
+    out=sys.stdout,
+) -> pb.TurnCompletion:
     """One streamed turn; ``force``: the tool it must call (else tool markup stays text: the demo's
     answers are words)."""
-    req = pb.TurnRequest(session_id=session, request_id=uuid.uuid4().hex, messages=messages,
-                         max_tokens=max(max_tokens, FORCED_MAX_TOKENS) if force else max_tokens,
-                         tool_choice=pb.ToolChoice(mode="function", function_name=force) if force
-                         else pb.ToolChoice(mode="none"),
-                         response_format=None if force else ANSWER_FORMAT)
+    req = pb.TurnRequest(
+        session_id=session,
+        request_id=uuid.uuid4().hex,
+        messages=messages,
+        max_tokens=max(max_tokens, FORCED_MAX_TOKENS) if force else max_tokens,
+        tool_choice=pb.ToolChoice(mode="function", function_name=force) if force else pb.ToolChoice(mode="none"),
+        response_format=None if force else ANSWER_FORMAT,
+    )
     if first:
         req.tools.extend(TOOLS)
     completion = None
@@ -137,12 +177,20 @@ class _Reuse:
     def line(self) -> str:
         total = self.reused + self.prefilled
         share = 100.0 * self.reused / total if total else 0.0
-        return (f"cache reuse: after the first turn, {self.reused} context tokens came from the session's KV and "
-                f"only {self.prefilled} were prefilled ({share:.0f}% reused)")
+        return (
+            f"cache reuse: after the first turn, {self.reused} context tokens came from the session's KV and "
+            f"only {self.prefilled} were prefilled ({share:.0f}% reused)"
+        )
 
 
-def run_demo(target: str, session: str | None = None, max_tokens: int = 96, token: str | None = None,
-             tls_ca: str | None = None, out=sys.stdout) -> int:
+def run_demo(
+    target: str,
+    session: str | None = None,
+    max_tokens: int = 96,
+    token: str | None = None,
+    tls_ca: str | None = None,
+    out=sys.stdout,
+) -> int:
     session = session or f"demo-{uuid.uuid4().hex[:8]}"
     metadata = [("authorization", f"Bearer {token}")] if token else None
     if tls_ca:
@@ -155,7 +203,9 @@ def run_demo(target: str, session: str | None = None, max_tokens: int = 96, toke
     try:
         for i, (question, tool) in enumerate(QUESTIONS):
             out.write(f"\nuser: {question}\nassistant: ")
-            msgs = ([pb.Message(role="system", content=SYSTEM)] if i == 0 else []) + [pb.Message(role="user", content=question)]
+            msgs = ([pb.Message(role="system", content=SYSTEM)] if i == 0 else []) + [
+                pb.Message(role="user", content=question)
+            ]
             c = turn(stub, metadata, session, msgs, max_tokens, first=i == 0, force=tool, out=out)
             reuse.add(c)
             if c.tool_calls:
@@ -168,9 +218,11 @@ def run_demo(target: str, session: str | None = None, max_tokens: int = 96, toke
                 out.write("assistant: ")
                 reuse.add(turn(stub, metadata, session, results, max_tokens, first=False, out=out))
         info = stub.GetSession(pb.GetSessionRequest(session_id=session), metadata=metadata)
-        out.write(f"\nsession: {info.turn_index} turns, {info.history_tokens} history tokens, "
-                  f"{info.kv_tokens} KV entries, snapshot {pb.SnapshotState.Name(info.snapshot_state)[15:].lower()}, "
-                  f"{tool_round_trips} tool round trip(s)\n{reuse.line()}\n")
+        out.write(
+            f"\nsession: {info.turn_index} turns, {info.history_tokens} history tokens, "
+            f"{info.kv_tokens} KV entries, snapshot {pb.SnapshotState.Name(info.snapshot_state)[15:].lower()}, "
+            f"{tool_round_trips} tool round trip(s)\n{reuse.line()}\n"
+        )
         stub.EndSession(pb.EndSessionRequest(session_id=session), metadata=metadata)
     except grpc.RpcError as e:
         out.write(f"\nchainkv demo: {e.code().name}: {e.details()}\n")

@@ -31,8 +31,11 @@ def server_credentials(options: ServerOptions) -> grpc.ServerCredentials | None:
     if not (o.tls_cert and o.tls_key):
         raise ConfigError("TLS needs both a certificate and a key")
     ca = Path(o.tls_client_ca).read_bytes() if o.tls_client_ca else None
-    return grpc.ssl_server_credentials([(Path(o.tls_key).read_bytes(), Path(o.tls_cert).read_bytes())],
-                                       root_certificates=ca, require_client_auth=ca is not None)
+    return grpc.ssl_server_credentials(
+        [(Path(o.tls_key).read_bytes(), Path(o.tls_cert).read_bytes())],
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )
 
 
 class GrpcEndpoint:
@@ -45,11 +48,13 @@ class GrpcEndpoint:
     async def start(self, handlers: grpc.GenericRpcHandler) -> int:
         """Listen with ``handlers`` beside health and reflection; returns the port (SERVING)."""
         o = self.options
-        server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", o.max_message_bytes),
-            ("grpc.max_send_message_length", o.max_message_bytes),
-            ("grpc.so_reuseport", 0),
-        ])
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", o.max_message_bytes),
+                ("grpc.max_send_message_length", o.max_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
         server.add_generic_rpc_handlers((handlers,))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         enable_reflection([SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server)

@@ -27,12 +27,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     docs = _field_docs()
     for f in dataclasses.fields(EngineConfig):
         if f.name == "method_args":
-            group.add_argument("--method-arg", dest="method_args", action="append", default=None, metavar="KEY=VALUE",
-                               help="a parameter of the method (repeatable); see the method list below")
+            group.add_argument(
+                "--method-arg",
+                dest="method_args",
+                action="append",
+                default=None,
+                metavar="KEY=VALUE",
+                help="a parameter of the method (repeatable); see the method list below",
+            )
             continue
         flag = "--" + f.name.replace("_", "-")
-        group.add_argument(flag, dest=f.name, type=_flag_type(hints[f.name]), default=None,
-                           help=f"{docs.get(f.name, '')} (default: {f.default})")
+        group.add_argument(
+            flag,
+            dest=f.name,
+            type=_flag_type(hints[f.name]),
+            default=None,
+            help=f"{docs.get(f.name, '')} (default: {f.default})",
+        )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -66,6 +77,10 @@ def _field_docs() -> dict[str, str]:
     body = tree.body[0].body
     docs = {}
     for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(getattr(nxt, "value", None), ast.Constant)
+        ):
             docs[node.target.id] = str(nxt.value.value).strip().splitlines()[0].replace("%", "%%")
     return docs

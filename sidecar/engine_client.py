@@ -118,10 +118,16 @@ class EngineClient:
         self._engine = engine
         self._thread = EngineLoop(engine, on_failure=on_failure)
         mc, cfg = engine.model_config, engine.config
-        self.model = ModelInfo(name=engine.model_dir.name, architecture=mc.architecture,
-                               max_model_len=engine.max_model_len, vocab_size=mc.vocab_size, method=cfg.method,
-                               fingerprint=engine.fingerprint(), prune_roles=tuple(cfg.prune_roles),
-                               prune_lag=cfg.prune_lag)
+        self.model = ModelInfo(
+            name=engine.model_dir.name,
+            architecture=mc.architecture,
+            max_model_len=engine.max_model_len,
+            vocab_size=mc.vocab_size,
+            method=cfg.method,
+            fingerprint=engine.fingerprint(),
+            prune_roles=tuple(cfg.prune_roles),
+            prune_lag=cfg.prune_lag,
+        )
         self.tokenizer: Any = engine.tokenizer
         """The engine's tokenizer (see the module docstring on sharing it)."""
         self.eos_token_ids: frozenset[int] = frozenset(engine.eos_token_ids)
@@ -226,9 +232,16 @@ class EngineClient:
         eng = self._engine
         if not turn.new_session:
             stream.prunes_before = len(eng.session_info(key)["prune_log"])
-        eng.add_turn(key, turn.token_ids, turn.params, spans=turn.spans, method=turn.method,
-                     expected_turn_index=turn.expected_turn_index,
-                     shared_prefix=turn.shared_prefix if turn.new_session else 0, prefix_scope=turn.prefix_scope)
+        eng.add_turn(
+            key,
+            turn.token_ids,
+            turn.params,
+            spans=turn.spans,
+            method=turn.method,
+            expected_turn_index=turn.expected_turn_index,
+            shared_prefix=turn.shared_prefix if turn.new_session else 0,
+            prefix_scope=turn.prefix_scope,
+        )
         self._thread.register(key, functools.partial(self._deliver, stream))
 
     def _deliver(self, stream: TurnStream, out: RequestOutput | BaseException) -> None:
@@ -244,11 +257,17 @@ class EngineClient:
             except SessionNotFound:
                 info = None
             result = TurnResult(
-                finish_reason=out.finish_reason or "stop", error=out.error, token_ids=tuple(out.token_ids),
-                prompt_tokens=stream.prompt_tokens, reused_tokens=out.counters.reused_tokens,
-                prefilled_tokens=out.counters.prefilled_tokens, time_to_first_token=out.time_to_first_token,
-                source_tier=out.source_tier, session=info,
-                new_prunes=info.prune_log[stream.prunes_before:] if info is not None else ())
+                finish_reason=out.finish_reason or "stop",
+                error=out.error,
+                token_ids=tuple(out.token_ids),
+                prompt_tokens=stream.prompt_tokens,
+                reused_tokens=out.counters.reused_tokens,
+                prefilled_tokens=out.counters.prefilled_tokens,
+                time_to_first_token=out.time_to_first_token,
+                source_tier=out.source_tier,
+                session=info,
+                new_prunes=info.prune_log[stream.prunes_before :] if info is not None else (),
+            )
         stream.push((delta, result))
 
     def _release_turn(self, key: str) -> SessionInfo | None:

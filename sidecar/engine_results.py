@@ -40,9 +40,16 @@ class PruneRecord:
 
     @classmethod
     def from_engine(cls, e: dict[str, Any]) -> "PruneRecord":
-        return cls(turn=int(e.get("turn", 0)), start=int(e["start"]), end=int(e["end"]), policy=e.get("policy") or "",
-                   keep_ratio=float(e.get("keep_ratio") or 0.0), scope=e.get("scope") or "",
-                   reason=e.get("reason") or "", removed=int(e.get("removed", 0)))
+        return cls(
+            turn=int(e.get("turn", 0)),
+            start=int(e["start"]),
+            end=int(e["end"]),
+            policy=e.get("policy") or "",
+            keep_ratio=float(e.get("keep_ratio") or 0.0),
+            scope=e.get("scope") or "",
+            reason=e.get("reason") or "",
+            removed=int(e.get("removed", 0)),
+        )
 
     @property
     def tokens(self) -> int:
@@ -62,8 +69,12 @@ class MethodInfo:
     def from_engine(cls, spec: dict[str, Any] | None) -> "MethodInfo | None":
         if not isinstance(spec, dict):
             return None
-        return cls(method=spec.get("method") or "", budget=spec.get("budget"), budget_ratio=spec.get("budget_ratio"),
-                   method_args=dict(spec.get("method_args") or {}))
+        return cls(
+            method=spec.get("method") or "",
+            budget=spec.get("budget"),
+            budget_ratio=spec.get("budget_ratio"),
+            method_args=dict(spec.get("method_args") or {}),
+        )
 
 
 @dataclass(frozen=True)
@@ -92,16 +103,26 @@ class SessionInfo:
     @classmethod
     def from_engine(cls, d: dict[str, Any]) -> "SessionInfo":
         m = d.get("method")
-        return cls(session_id=str(d["session_id"]), state=d["state"], turn_index=int(d["turn_index"]),
-                   generation=int(d["generation"]), num_tokens=int(d["num_tokens"]), digest=d.get("digest") or "",
-                   method=m if isinstance(m, str) else "", spec=MethodInfo.from_engine(d.get("spec")),
-                   kv_tokens=int(d.get("kv_tokens", 0)), kv_pages=int(d.get("kv_pages", 0)),
-                   pruned_tokens=int(d.get("pruned_tokens", 0)),
-                   prune_log=tuple(PruneRecord.from_engine(e) for e in d.get("prune_log", [])),
-                   shared_prefix_tokens=int(d.get("shared_prefix_tokens", 0)),
-                   spans=tuple(SpanInfo(int(s["start"]), int(s["end"]), s["role"], int(s["turn"]), bool(s["pruned"]))
-                               for s in d.get("spans", [])),
-                   last_token=d.get("last_token"))
+        return cls(
+            session_id=str(d["session_id"]),
+            state=d["state"],
+            turn_index=int(d["turn_index"]),
+            generation=int(d["generation"]),
+            num_tokens=int(d["num_tokens"]),
+            digest=d.get("digest") or "",
+            method=m if isinstance(m, str) else "",
+            spec=MethodInfo.from_engine(d.get("spec")),
+            kv_tokens=int(d.get("kv_tokens", 0)),
+            kv_pages=int(d.get("kv_pages", 0)),
+            pruned_tokens=int(d.get("pruned_tokens", 0)),
+            prune_log=tuple(PruneRecord.from_engine(e) for e in d.get("prune_log", [])),
+            shared_prefix_tokens=int(d.get("shared_prefix_tokens", 0)),
+            spans=tuple(
+                SpanInfo(int(s["start"]), int(s["end"]), s["role"], int(s["turn"]), bool(s["pruned"]))
+                for s in d.get("spans", [])
+            ),
+            last_token=d.get("last_token"),
+        )
 
     @property
     def is_empty(self) -> bool:

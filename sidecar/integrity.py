@@ -88,8 +88,10 @@ class SnapshotKeys:
             raise SnapshotRejected(f"the stored session {name!r} is not signed; refusing it (snapshot HMAC is on)")
         tag = tag.decode() if isinstance(tag, bytes) else str(tag)
         if not self.verify(self._meta_bytes(session_key, fields), tag):
-            raise SnapshotRejected(f"the stored session {name!r} fails its HMAC (tampered with, moved from another "
-                                   f"key, or signed with an unknown key); refusing it")
+            raise SnapshotRejected(
+                f"the stored session {name!r} fails its HMAC (tampered with, moved from another "
+                f"key, or signed with an unknown key); refusing it"
+            )
 
     def checksum(self) -> "HmacChecksum":
         return HmacChecksum(self)

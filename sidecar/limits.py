@@ -72,8 +72,9 @@ class TenantLimits:
         return key.rsplit("/", 1)[0] if "/" in key else ""
 
     def held(self, tenant: str, sessions: Iterable["Session"], exclude: str | None = None) -> int:
-        return sum(1 for s in sessions
-                   if (s.in_engine or s.busy) and s.key != exclude and self.tenant_of(s.key) == tenant)
+        return sum(
+            1 for s in sessions if (s.in_engine or s.busy) and s.key != exclude and self.tenant_of(s.key) == tenant
+        )
 
     def check_new_session(self, tenant: str, sessions: Iterable["Session"], exclude: str | None = None) -> None:
         """Raise QuotaExceeded when ``tenant`` already holds its most sessions (``exclude``: the

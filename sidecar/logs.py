@@ -47,8 +47,9 @@ def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, not {fmt!r}")
     root = logging.getLogger()
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else
-                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(
+        JsonFormatter() if fmt == "json" else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
     for h in list(root.handlers):
         root.removeHandler(h)
     root.addHandler(handler)

@@ -69,7 +69,9 @@ class EngineCollector:
         yield sessions
         yield GaugeMetricFamily("chainkv_requests_running", "requests being decoded or prefilled", value=st["running"])
         yield GaugeMetricFamily("chainkv_requests_waiting", "requests waiting for KV pages", value=st["waiting"])
-        yield CounterMetricFamily("chainkv_preemptions", "requests preempted for lack of pages", value=st["preemptions"])
+        yield CounterMetricFamily(
+            "chainkv_preemptions", "requests preempted for lack of pages", value=st["preemptions"]
+        )
         yield CounterMetricFamily("chainkv_decoded_tokens", "tokens decoded", value=st.get("decoded_tokens", 0))
 
 
@@ -78,20 +80,31 @@ class MetricsHooks(ServerHooks):
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.rpcs = Counter("chainkv_rpc", "Sidecar calls by final status", ["rpc", "code"], registry=r)
-        self.rpc_seconds = Histogram("chainkv_rpc_seconds", "Sidecar call latency", ["rpc"], buckets=LATENCY_BUCKETS,
-                                     registry=r)
-        self.ttft = Histogram("chainkv_ttft_seconds", "time to first token of a turn", buckets=LATENCY_BUCKETS,
-                              registry=r)
-        self.tpot = Histogram("chainkv_time_per_output_token_seconds", "decode time per token after the first",
-                              buckets=PER_TOKEN_BUCKETS, registry=r)
+        self.rpc_seconds = Histogram(
+            "chainkv_rpc_seconds", "Sidecar call latency", ["rpc"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            "chainkv_ttft_seconds", "time to first token of a turn", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "chainkv_time_per_output_token_seconds",
+            "decode time per token after the first",
+            buckets=PER_TOKEN_BUCKETS,
+            registry=r,
+        )
         self.turn_tokens = Counter("chainkv_turn_tokens", "tokens of completed turns", ["kind"], registry=r)
         self.turns = Counter("chainkv_turns", "completed turns by where the session was found", ["tier"], registry=r)
         self.pruned = Counter("chainkv_pruned_tokens", "history tokens whose KV was pruned", ["source"], registry=r)
-        self.snapshot_seconds = Histogram("chainkv_snapshot_seconds", "snapshot latency (take + serialize + commit)",
-                                          buckets=LATENCY_BUCKETS, registry=r)
+        self.snapshot_seconds = Histogram(
+            "chainkv_snapshot_seconds",
+            "snapshot latency (take + serialize + commit)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.snapshot_bytes = Counter("chainkv_snapshot_bytes", "KV bytes of committed snapshots", registry=r)
-        self.snapshot_failures = Counter("chainkv_snapshot_failures", "snapshot attempts that did not commit",
-                                         ["reason"], registry=r)
+        self.snapshot_failures = Counter(
+            "chainkv_snapshot_failures", "snapshot attempts that did not commit", ["reason"], registry=r
+        )
         for reason in ("unavailable", "conflict", "refused", "error"):
             self.snapshot_failures.labels(reason)  # exported at 0 from the start
         self._client: EngineClient | None = None
@@ -113,8 +126,14 @@ class MetricsHooks(ServerHooks):
         self.rpcs.labels(method, code.name).inc()
         self.rpc_seconds.labels(method).observe(seconds)
         level = logging.WARNING if code is grpc.StatusCode.INTERNAL else logging.INFO
-        log.log(level, "rpc %s %s %.3fs", method, code.name, seconds,
-                extra={"fields": {"rpc": method, "code": code.name, "seconds": round(seconds, 6)}})
+        log.log(
+            level,
+            "rpc %s %s %.3fs",
+            method,
+            code.name,
+            seconds,
+            extra={"fields": {"rpc": method, "code": code.name, "seconds": round(seconds, 6)}},
+        )
 
     def on_turn(self, completion: pb.TurnCompletion, seconds: float) -> None:
         u = completion.usage

@@ -24,10 +24,19 @@ from sidecar.limits import TurnTooLarge
 from sidecar.validation import JsonTooDeep, check_turn_bytes, loads_bounded
 from sidecar.structured import OutputSpec, OutputSpecError
 
-TIERS = {"new": pb.TIER_NEW, "gpu": pb.TIER_GPU, "host": pb.TIER_HOST, "store": pb.TIER_STORE,
-         "recompute": pb.TIER_RECOMPUTE}
-STATES = {"active": pb.SESSION_STATE_ACTIVE, "idle": pb.SESSION_STATE_IDLE, "host": pb.SESSION_STATE_HOST,
-          "history": pb.SESSION_STATE_HISTORY}
+TIERS = {
+    "new": pb.TIER_NEW,
+    "gpu": pb.TIER_GPU,
+    "host": pb.TIER_HOST,
+    "store": pb.TIER_STORE,
+    "recompute": pb.TIER_RECOMPUTE,
+}
+STATES = {
+    "active": pb.SESSION_STATE_ACTIVE,
+    "idle": pb.SESSION_STATE_IDLE,
+    "host": pb.SESSION_STATE_HOST,
+    "history": pb.SESSION_STATE_HISTORY,
+}
 STATE_TIERS = {"idle": "gpu", "host": "host", "history": "recompute"}
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 
@@ -98,23 +107,39 @@ def parse_turn(req: pb.TurnRequest, limits: Limits) -> TurnArgs:
             top_k=req.top_k if req.HasField("top_k") else 0,
             top_p=req.top_p if req.HasField("top_p") else 1.0,
             seed=req.seed if req.HasField("seed") else None,
-            stop=list(req.stop), ignore_eos=req.ignore_eos)
+            stop=list(req.stop),
+            ignore_eos=req.ignore_eos,
+        )
     except SamplingError as e:
         raise InvalidRequest(str(e)) from None
     expected = req.expected_turn_index if req.HasField("expected_turn_index") else None
     if expected is not None and expected < 0:
         raise InvalidRequest("expected_turn_index must be >= 0")
-    return TurnArgs(session_id=req.session_id, request_id=req.request_id, messages=messages, tools=tools,
-                    expected_turn_index=expected, params=params, method=method_spec(req),
-                    shared_prefix_messages=req.shared_prefix_messages if req.HasField("shared_prefix_messages") else None,
-                    public_prefix=req.public_prefix, output=output_spec(req))
+    return TurnArgs(
+        session_id=req.session_id,
+        request_id=req.request_id,
+        messages=messages,
+        tools=tools,
+        expected_turn_index=expected,
+        params=params,
+        method=method_spec(req),
+        shared_prefix_messages=req.shared_prefix_messages if req.HasField("shared_prefix_messages") else None,
+        public_prefix=req.public_prefix,
+        output=output_spec(req),
+    )
 
 
 def output_spec(req: pb.TurnRequest) -> OutputSpec:
     rf, tc = req.response_format, req.tool_choice
     try:
-        return OutputSpec(format=rf.type, json_schema=rf.json_schema, regex=rf.regex, grammar=rf.grammar,
-                          tool_choice=tc.mode, function_name=tc.function_name)
+        return OutputSpec(
+            format=rf.type,
+            json_schema=rf.json_schema,
+            regex=rf.regex,
+            grammar=rf.grammar,
+            tool_choice=tc.mode,
+            function_name=tc.function_name,
+        )
     except OutputSpecError as e:
         raise InvalidRequest(str(e)) from None
 
@@ -154,8 +179,12 @@ def method_spec(req) -> MethodSpec | None:
         cls = get_method_class(req.method)
         args = dict(req.method_args)
         build_params(cls, args)
-        return MethodSpec(req.method, req.budget if req.HasField("budget") else None,
-                          req.budget_ratio if req.HasField("budget_ratio") else None, args)
+        return MethodSpec(
+            req.method,
+            req.budget if req.HasField("budget") else None,
+            req.budget_ratio if req.HasField("budget_ratio") else None,
+            args,
+        )
     except MethodError as e:
         raise InvalidRequest(str(e)) from None
 
@@ -164,16 +193,33 @@ def tool_call_proto(turn_index: int, k: int, name: str, arguments_json: str) -> 
     return pb.ToolCall(id=f"call_{turn_index}_{k}", name=name, arguments_json=arguments_json)
 
 
-def session_proto(session_id: str, info: SessionInfo, s: Session | None, tier: str | None = None,
-                  has_store: bool = True) -> pb.Session:
-    out = pb.Session(session_id=session_id, state=STATES.get(info.state, pb.SESSION_STATE_UNSPECIFIED),
-                     turn_index=info.turn_index, generation=info.generation, history_tokens=info.num_tokens,
-                     digest=info.digest, method=info.method, kv_tokens=info.kv_tokens, kv_pages=info.kv_pages,
-                     pruned_kv_tokens=info.pruned_tokens, shared_prefix_tokens=info.shared_prefix_tokens,
-                     prune_log=[prune_record_proto(e) for e in info.prune_log])
+def session_proto(
+    session_id: str, info: SessionInfo, s: Session | None, tier: str | None = None, has_store: bool = True
+) -> pb.Session:
+    out = pb.Session(
+        session_id=session_id,
+        state=STATES.get(info.state, pb.SESSION_STATE_UNSPECIFIED),
+        turn_index=info.turn_index,
+        generation=info.generation,
+        history_tokens=info.num_tokens,
+        digest=info.digest,
+        method=info.method,
+        kv_tokens=info.kv_tokens,
+        kv_pages=info.kv_pages,
+        pruned_kv_tokens=info.pruned_tokens,
+        shared_prefix_tokens=info.shared_prefix_tokens,
+        prune_log=[prune_record_proto(e) for e in info.prune_log],
+    )
     if info.spec is not None:
-        _set_method(out, {"method": info.spec.method, "budget": info.spec.budget,
-                          "budget_ratio": info.spec.budget_ratio, "method_args": info.spec.method_args})
+        _set_method(
+            out,
+            {
+                "method": info.spec.method,
+                "budget": info.spec.budget,
+                "budget_ratio": info.spec.budget_ratio,
+                "method_args": info.spec.method_args,
+            },
+        )
     tier = tier or STATE_TIERS.get(info.state)
     if tier:
         out.source_tier = TIERS[tier]
@@ -192,13 +238,20 @@ def session_proto(session_id: str, info: SessionInfo, s: Session | None, tier: s
 def stored_session_proto(session_id: str, record: dict[str, Any]) -> pb.Session:
     """A session known only from its committed store record."""
     tokens = np.frombuffer(record["tokens"], dtype="<u4")
-    out = pb.Session(session_id=session_id, state=pb.SESSION_STATE_STORED, turn_index=record["turn_index"],
-                     generation=record["generation"], history_tokens=len(tokens), digest=record.get("digest", ""),
-                     pruned_kv_tokens=record.get("pruned_tokens", 0),
-                     shared_prefix_tokens=record.get("protected_len", 0),
-                     prune_log=[prune_record_proto(PruneRecord.from_engine(e)) for e in record.get("prune_log", [])],
-                     source_tier=pb.TIER_STORE, snapshot_state=pb.SNAPSHOT_STATE_COMMITTED,
-                     committed_generation=record["generation"])
+    out = pb.Session(
+        session_id=session_id,
+        state=pb.SESSION_STATE_STORED,
+        turn_index=record["turn_index"],
+        generation=record["generation"],
+        history_tokens=len(tokens),
+        digest=record.get("digest", ""),
+        pruned_kv_tokens=record.get("pruned_tokens", 0),
+        shared_prefix_tokens=record.get("protected_len", 0),
+        prune_log=[prune_record_proto(PruneRecord.from_engine(e)) for e in record.get("prune_log", [])],
+        source_tier=pb.TIER_STORE,
+        snapshot_state=pb.SNAPSHOT_STATE_COMMITTED,
+        committed_generation=record["generation"],
+    )
     if isinstance(record.get("method"), dict):
         _set_method(out, record["method"])
     return out
@@ -215,5 +268,13 @@ def _set_method(out: pb.Session, spec: dict[str, Any]) -> None:
 
 
 def prune_record_proto(e: PruneRecord) -> pb.PruneRecord:
-    return pb.PruneRecord(turn=e.turn, start=e.start, end=e.end, prune_policy=e.policy, prune_keep_ratio=e.keep_ratio,
-                          prune_scope=e.scope, reason=e.reason, removed=e.removed)
+    return pb.PruneRecord(
+        turn=e.turn,
+        start=e.start,
+        end=e.end,
+        prune_policy=e.policy,
+        prune_keep_ratio=e.keep_ratio,
+        prune_scope=e.scope,
+        reason=e.reason,
+        removed=e.removed,
+    )

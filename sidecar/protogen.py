@@ -28,15 +28,24 @@ def generate(out_dir: Path) -> list[Path]:
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    args = ["grpc_tools.protoc", f"-I{PROTO_ROOT}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
-            f"--grpc_python_out={out_dir}", *[str(PROTO_ROOT / p) for p in PROTOS]]
+    args = [
+        "grpc_tools.protoc",
+        f"-I{PROTO_ROOT}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        *[str(PROTO_ROOT / p) for p in PROTOS],
+    ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {PROTOS}")
     files = []
     for proto in PROTOS:
         pkg = out_dir / Path(proto).parent
         stem = Path(proto).stem
-        for part in [out_dir, *[out_dir / Path(*Path(proto).parent.parts[: i + 1]) for i in range(len(Path(proto).parent.parts))]]:
+        for part in [
+            out_dir,
+            *[out_dir / Path(*Path(proto).parent.parts[: i + 1]) for i in range(len(Path(proto).parent.parts))],
+        ]:
             init = part / "__init__.py"
             init.write_text(PACKAGE_DOC)
             files.append(init)

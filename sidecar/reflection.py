@@ -50,8 +50,10 @@ def _register_v1(pool: descriptor_pool.DescriptorPool) -> None:
 
 def _v1_handler(servicer) -> grpc.GenericRpcHandler:
     method = grpc.stream_stream_rpc_method_handler(
-        servicer.ServerReflectionInfo, request_deserializer=alpha.ServerReflectionRequest.FromString,
-        response_serializer=alpha.ServerReflectionResponse.SerializeToString)
+        servicer.ServerReflectionInfo,
+        request_deserializer=alpha.ServerReflectionRequest.FromString,
+        response_serializer=alpha.ServerReflectionResponse.SerializeToString,
+    )
     return grpc.method_handlers_generic_handler(V1_SERVICE, {"ServerReflectionInfo": method})
 
 

@@ -26,8 +26,11 @@ def _serve_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     serve = sub.choices["serve"]
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    return {a.dest: a for a in serve._actions
-            if a.dest not in engine_fields and a.dest not in _NOT_SETTINGS and a.option_strings}
+    return {
+        a.dest: a
+        for a in serve._actions
+        if a.dest not in engine_fields and a.dest not in _NOT_SETTINGS and a.option_strings
+    }
 
 
 def _convert(action: argparse.Action, value, source: str):

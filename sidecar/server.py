@@ -31,5 +31,14 @@ from sidecar.server_thread import ServerThread
 from sidecar.sidecar_server import SidecarServer
 from sidecar.turns import replay_events
 
-__all__ = ["SERVICE", "Draining", "ServerHooks", "ServerOptions", "ServerThread", "SidecarServer", "TurnAborted",
-           "replay_events", "status_for"]
+__all__ = [
+    "SERVICE",
+    "Draining",
+    "ServerHooks",
+    "ServerOptions",
+    "ServerThread",
+    "SidecarServer",
+    "TurnAborted",
+    "replay_events",
+    "status_for",
+]

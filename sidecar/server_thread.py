@@ -1,9 +1,9 @@
 """ServerThread: a SidecarServer on its own event loop in a background thread (embedding, tests).
 
-    server = ServerThread(engine, ServerOptions(port=0))
-    port = server.start()
-    ...                          # call it over gRPC from this thread
-    server.stop()
+server = ServerThread(engine, ServerOptions(port=0))
+port = server.start()
+...                          # call it over gRPC from this thread
+server.stop()
 """
 
 from __future__ import annotations
@@ -22,8 +22,13 @@ from sidecar.store import SessionStore
 class ServerThread:
     """A SidecarServer on its own event loop in a background thread."""
 
-    def __init__(self, engine: LLMEngine, options: ServerOptions | None = None, store: SessionStore | None = None,
-                 hooks: ServerHooks | None = None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        options: ServerOptions | None = None,
+        store: SessionStore | None = None,
+        hooks: ServerHooks | None = None,
+    ):
         self.server = SidecarServer(engine, options, store, hooks)
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -58,6 +63,7 @@ class ServerThread:
 
     def call(self, fn: Callable[[], Any], timeout: float | None = 60.0) -> Any:
         """Run ``fn`` on the server's loop (its state is only safe to touch there)."""
+
         async def wrap():
             return fn()
 

@@ -59,10 +59,19 @@ def _parser(cls):
 class SidecarService:
     """The ``chainkv.v1.Sidecar`` servicer."""
 
-    def __init__(self, *, client: EngineClient, sessions: SessionManager, turns: TurnRunner,
-                 options: ServerOptions, hooks: ServerHooks, store: SessionStore | None,
-                 mark_dirty: Callable[[str], None], write_now: Callable[[str], Awaitable[None]],
-                 draining: Callable[[], bool]):
+    def __init__(
+        self,
+        *,
+        client: EngineClient,
+        sessions: SessionManager,
+        turns: TurnRunner,
+        options: ServerOptions,
+        hooks: ServerHooks,
+        store: SessionStore | None,
+        mark_dirty: Callable[[str], None],
+        write_now: Callable[[str], Awaitable[None]],
+        draining: Callable[[], bool],
+    ):
         self.client = client
         self.sessions = sessions
         self.opts = options
@@ -76,19 +85,26 @@ class SidecarService:
     # --- plumbing ------------------------------------------------------------------------------------
     def handlers(self) -> grpc.GenericRpcHandler:
         def unary(fn, req, resp):
-            return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=_parser(req),
-                                                       response_serializer=resp.SerializeToString)
+            return grpc.unary_unary_rpc_method_handler(
+                fn, request_deserializer=_parser(req), response_serializer=resp.SerializeToString
+            )
 
-        return grpc.method_handlers_generic_handler(SERVICE, {
-            "Turn": grpc.unary_stream_rpc_method_handler(self.Turn, request_deserializer=_parser(pb.TurnRequest),
-                                                         response_serializer=pb.TurnEvent.SerializeToString),
-            "Resume": unary(self.Resume, pb.ResumeRequest, pb.Session),
-            "EndSession": unary(self.EndSession, pb.EndSessionRequest, pb.EndSessionResponse),
-            "GetSession": unary(self.GetSession, pb.GetSessionRequest, pb.Session),
-            "ForkSession": unary(self.ForkSession, pb.ForkSessionRequest, pb.Session),
-            "PruneHistory": unary(self.PruneHistory, pb.PruneHistoryRequest, pb.PruneHistoryResponse),
-            "GetServerInfo": unary(self.GetServerInfo, pb.GetServerInfoRequest, pb.ServerInfo),
-        })
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Turn": grpc.unary_stream_rpc_method_handler(
+                    self.Turn,
+                    request_deserializer=_parser(pb.TurnRequest),
+                    response_serializer=pb.TurnEvent.SerializeToString,
+                ),
+                "Resume": unary(self.Resume, pb.ResumeRequest, pb.Session),
+                "EndSession": unary(self.EndSession, pb.EndSessionRequest, pb.EndSessionResponse),
+                "GetSession": unary(self.GetSession, pb.GetSessionRequest, pb.Session),
+                "ForkSession": unary(self.ForkSession, pb.ForkSessionRequest, pb.Session),
+                "PruneHistory": unary(self.PruneHistory, pb.PruneHistoryRequest, pb.PruneHistoryResponse),
+                "GetServerInfo": unary(self.GetServerInfo, pb.GetServerInfoRequest, pb.ServerInfo),
+            },
+        )
 
     def _begin(self, request, context) -> str:
         """Common checks; returns the caller's tenant."""
@@ -216,10 +232,14 @@ class SidecarService:
         tenant = self._begin(request, context)
         key = scoped_key(tenant, request.session_id)
         keep = request.prune_keep_ratio if request.HasField("prune_keep_ratio") else None
-        spec = PruneSpec(span=(request.start, request.end) if request.end else None,
-                         roles=tuple(request.prune_roles),
-                         lag=request.prune_lag if request.HasField("prune_lag") else None,
-                         policy=request.prune_policy or None, keep_ratio=keep, scope=request.prune_scope or None)
+        spec = PruneSpec(
+            span=(request.start, request.end) if request.end else None,
+            roles=tuple(request.prune_roles),
+            lag=request.prune_lag if request.HasField("prune_lag") else None,
+            policy=request.prune_policy or None,
+            keep_ratio=keep,
+            scope=request.prune_scope or None,
+        )
         try:  # the engine's rule, checked before the session is looked up
             check_policy(spec.policy, spec.keep_ratio, spec.scope)
             if spec.span is not None:
@@ -238,9 +258,11 @@ class SidecarService:
             s.update(result.session, self.sessions.end_of_turn_id)
             self.mark_dirty(key)
             self.hooks.on_prune(result.pruned_tokens, result.removed)
-        return pb.PruneHistoryResponse(removed=result.removed, pruned_tokens=result.pruned_tokens,
-                                       session=session_proto(request.session_id, result.session, s,
-                                                             has_store=self.store is not None))
+        return pb.PruneHistoryResponse(
+            removed=result.removed,
+            pruned_tokens=result.pruned_tokens,
+            session=session_proto(request.session_id, result.session, s, has_store=self.store is not None),
+        )
 
     async def GetServerInfo(self, request, context):
         return await self._unary("GetServerInfo", self._server_info, request, context)
@@ -248,9 +270,15 @@ class SidecarService:
     async def _server_info(self, request, context):
         self._begin(request, context)
         m = self.client.model
-        return pb.ServerInfo(model=m.name, architecture=m.architecture, max_model_len=m.max_model_len,
-                             default_max_tokens=self.opts.limits.default_max_tokens, method=m.method,
-                             methods=sorted(METHODS), vocab_size=m.vocab_size)
+        return pb.ServerInfo(
+            model=m.name,
+            architecture=m.architecture,
+            max_model_len=m.max_model_len,
+            default_max_tokens=self.opts.limits.default_max_tokens,
+            method=m.method,
+            methods=sorted(METHODS),
+            vocab_size=m.vocab_size,
+        )
 
 
 def _tier(s: Session, info: SessionInfo) -> str | None:

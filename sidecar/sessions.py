@@ -123,15 +123,22 @@ class Session:
 
     @property
     def snapshot_pending(self) -> bool:
-        return self.in_engine and not self.stale and (self.committed_generation is None
-                                                      or self.committed_generation < self.generation)
+        return (
+            self.in_engine
+            and not self.stale
+            and (self.committed_generation is None or self.committed_generation < self.generation)
+        )
 
     def app_meta(self) -> dict[str, Any]:
         """What the sidecar keeps about the session beside the engine's record."""
-        return {"tools_digest": self.tools_digest, "tools": self.tools, "front": self.front,
-                "created_at": self.created_at,
-                "requests": [[rid, blob] for rid, blob in self.records.items()],
-                "request_digests": {rid: self.request_digests[rid] for rid in self.records if rid in self.request_digests}}
+        return {
+            "tools_digest": self.tools_digest,
+            "tools": self.tools,
+            "front": self.front,
+            "created_at": self.created_at,
+            "requests": [[rid, blob] for rid, blob in self.records.items()],
+            "request_digests": {rid: self.request_digests[rid] for rid in self.records if rid in self.request_digests},
+        }
 
     def load_app_meta(self, app: dict[str, Any]) -> None:
         self.tools_digest = app.get("tools_digest", "")
@@ -151,8 +158,16 @@ class Session:
 
 
 class SessionManager:
-    def __init__(self, engine: EngineClient, store: SessionStore | None, *, end_of_turn_id: int | None,
-                 idempotency_window: int = 32, resume_wait_s: float = 5.0, settle_wait_s: float = 10.0):
+    def __init__(
+        self,
+        engine: EngineClient,
+        store: SessionStore | None,
+        *,
+        end_of_turn_id: int | None,
+        idempotency_window: int = 32,
+        resume_wait_s: float = 5.0,
+        settle_wait_s: float = 10.0,
+    ):
         self.engine = engine
         self.settle_wait_s = settle_wait_s
         """How long a request waits for an abandoned turn on its session to be rolled back."""
@@ -178,8 +193,15 @@ class SessionManager:
     def active_turns(self) -> int:
         return sum(1 for s in self._sessions.values() if s.busy)
 
-    async def get(self, key: str, *, create: bool, expected_turn_index: int | None = None,
-                  deadline: float | None = None, request_id: str = "") -> Session:
+    async def get(
+        self,
+        key: str,
+        *,
+        create: bool,
+        expected_turn_index: int | None = None,
+        deadline: float | None = None,
+        request_id: str = "",
+    ) -> Session:
         """The session, from this replica or the store; a fresh (not yet started) one when it
         exists nowhere and ``create``. Raises SessionNotFound, StoreUnavailable (StoreBehind),
         TurnIndexMismatch. ``request_id``: a retry whose turn the store already recorded is served
@@ -211,8 +233,15 @@ class SessionManager:
                 await self._drop_local(s)
             return await self._load(key)
 
-    async def get_settled(self, key: str, *, create: bool, expected_turn_index: int | None = None,
-                          deadline: float | None = None, request_id: str = "") -> Session:
+    async def get_settled(
+        self,
+        key: str,
+        *,
+        create: bool,
+        expected_turn_index: int | None = None,
+        deadline: float | None = None,
+        request_id: str = "",
+    ) -> Session:
         """``get``, once a turn whose caller went away has been rolled back and the session released
         (a client that cancels a turn and sends the next at once is not refused as busy). Waits at
         most ``settle_wait_s`` (or to ``deadline``); a session still held after that is returned
@@ -221,8 +250,9 @@ class SessionManager:
         if deadline is not None:
             until = min(until, deadline)
         while True:
-            s = await self.get(key, create=create, expected_turn_index=expected_turn_index, deadline=deadline,
-                               request_id=request_id)
+            s = await self.get(
+                key, create=create, expected_turn_index=expected_turn_index, deadline=deadline, request_id=request_id
+            )
             running = s.running
             left = until - time.monotonic()
             if running is None or not running.settling or left <= 0:
@@ -242,8 +272,12 @@ class SessionManager:
             return stored is None
         if have is not None and have >= s.committed_generation:
             return False
-        log.warning("session %s: the store holds generation %s, this replica committed %s; rewriting it",
-                    s.key, have, s.committed_generation)
+        log.warning(
+            "session %s: the store holds generation %s, this replica committed %s; rewriting it",
+            s.key,
+            have,
+            s.committed_generation,
+        )
         s.committed_generation = have
         if self.on_store_behind is not None:
             self.on_store_behind(s.key)
@@ -266,8 +300,9 @@ class SessionManager:
         self._sessions[key] = s
         return s
 
-    async def _fetch(self, key: str, expected: int | None, deadline: float | None, local: Session | None,
-                     request_id: str = ""):
+    async def _fetch(
+        self, key: str, expected: int | None, deadline: float | None, local: Session | None, request_id: str = ""
+    ):
         """The committed record (no KV yet), waiting for ``expected`` while the store is behind."""
         wait_until = time.monotonic() + self.resume_wait_s
         if deadline is not None:
@@ -287,8 +322,9 @@ class SessionManager:
             if time.monotonic() >= wait_until:
                 if stored is None and (local is None or not local.in_engine):
                     raise SessionNotFound(f"no session {key.split('/')[-1]!r} at turn {expected} in the store")
-                raise StoreBehind(f"the store holds turn {have} of session {key.split('/')[-1]!r}, "
-                                  f"not turn {expected} yet; retry")
+                raise StoreBehind(
+                    f"the store holds turn {have} of session {key.split('/')[-1]!r}, not turn {expected} yet; retry"
+                )
             await asyncio.sleep(delay)
             delay = min(0.5, delay * 2)
 
@@ -300,16 +336,20 @@ class SessionManager:
         snap, kv_error = await asyncio.to_thread(join_snapshot, stored)
         fingerprint = self.engine.model.fingerprint
         if snap.kv is not None and snap.meta.get("fingerprint") != fingerprint:
-            kv_error = (f"the stored KV was made by {snap.meta.get('fingerprint')!r}, "
-                        f"this replica is {fingerprint!r}")
+            kv_error = f"the stored KV was made by {snap.meta.get('fingerprint')!r}, this replica is {fingerprint!r}"
             snap.kv = None
         snap.meta["session_id"] = key
         try:
             info = await self.engine.load(snap)
         except MethodError as e:  # KV this replica cannot continue: refuse rather than guess
             raise SessionError(f"session {key.split('/')[-1]!r} uses a method this replica cannot run: {e}") from None
-        s = Session(key=key, in_engine=True, committed_generation=stored.generation,
-                    source_tier="store" if snap.kv is not None else "recompute", snapshot_error=kv_error)
+        s = Session(
+            key=key,
+            in_engine=True,
+            committed_generation=stored.generation,
+            source_tier="store" if snap.kv is not None else "recompute",
+            snapshot_error=kv_error,
+        )
         s.load_app_meta(stored.app)
         s.update(info, self.end_of_turn_id)
         self._sessions[key] = s
@@ -371,8 +411,9 @@ class SessionManager:
             if keep_snapshot and here and self.store is not None and s.snapshot_pending:
                 await flush(key)
                 if s.snapshot_pending:
-                    raise StoreUnavailable(f"the snapshot of {key.split('/')[-1]!r} could not be written: "
-                                           f"{s.snapshot_error}")
+                    raise StoreUnavailable(
+                        f"the snapshot of {key.split('/')[-1]!r} could not be written: {s.snapshot_error}"
+                    )
             s.ended = True
             if s.running is not None:
                 self.engine.abort_soon(key)
@@ -393,8 +434,11 @@ class SessionManager:
         if self.store is None:
             return 0
         now = time.monotonic()
-        victims = [s for s in self._sessions.values()
-                   if s.in_engine and not s.busy and not s.snapshot_pending and now - s.last_used > idle_s]
+        victims = [
+            s
+            for s in self._sessions.values()
+            if s.in_engine and not s.busy and not s.snapshot_pending and now - s.last_used > idle_s
+        ]
         freed = 0
         for s in victims:
             try:  # free it only if the store still holds what this replica committed
@@ -413,8 +457,11 @@ class SessionManager:
         snapshot, if any, expires by the store's own TTL, as another replica may have continued the
         session there). A session with a turn running, or a snapshot the store has yet to get, is kept."""
         now = time.monotonic()
-        victims = [s for s in self._sessions.values() if not s.busy and now - s.last_used > ttl_s
-                   and not (self.store is not None and s.snapshot_pending)]
+        victims = [
+            s
+            for s in self._sessions.values()
+            if not s.busy and now - s.last_used > ttl_s and not (self.store is not None and s.snapshot_pending)
+        ]
         for s in victims:
             s.ended = True
             await self._drop_local(s)
@@ -426,5 +473,13 @@ def recorded_in(app: dict[str, Any], request_id: str) -> bool:
     return any(rid == request_id for rid, *_ in app.get("requests", []))
 
 
-__all__ = ["BadSessionId", "Running", "Session", "SessionError", "SessionManager", "StoreBehind", "check_id",
-           "scoped_key"]
+__all__ = [
+    "BadSessionId",
+    "Running",
+    "Session",
+    "SessionError",
+    "SessionManager",
+    "StoreBehind",
+    "check_id",
+    "scoped_key",
+]

@@ -37,8 +37,13 @@ log = logging.getLogger(__name__)
 class SidecarServer:
     """The sidecar: gRPC server, engine thread, sessions, snapshot writer, health and reflection."""
 
-    def __init__(self, engine: LLMEngine, options: ServerOptions | None = None, store: SessionStore | None = None,
-                 hooks: ServerHooks | None = None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        options: ServerOptions | None = None,
+        store: SessionStore | None = None,
+        hooks: ServerHooks | None = None,
+    ):
         self.engine = engine
         self.options = options or ServerOptions()
         self.store = store
@@ -63,23 +68,53 @@ class SidecarServer:
         self._stopped = asyncio.Event()
         self.client.start(asyncio.get_running_loop())
         self.hooks.on_start(self.client)
-        self.sessions = SessionManager(self.client, self.store, end_of_turn_id=self.renderer.end_of_turn_id,
-                                       idempotency_window=o.idempotency_window, resume_wait_s=o.resume_wait_s)
+        self.sessions = SessionManager(
+            self.client,
+            self.store,
+            end_of_turn_id=self.renderer.end_of_turn_id,
+            idempotency_window=o.idempotency_window,
+            resume_wait_s=o.resume_wait_s,
+        )
         if self.store is not None:
-            self.writer = SnapshotWriter(self.store, self.client, self.sessions, with_kv=o.snapshot_kv,
-                                         max_pending=o.snapshot_queue, retry_max_s=o.snapshot_retry_max_s,
-                                         hooks=self.hooks)
+            self.writer = SnapshotWriter(
+                self.store,
+                self.client,
+                self.sessions,
+                with_kv=o.snapshot_kv,
+                max_pending=o.snapshot_queue,
+                retry_max_s=o.snapshot_retry_max_s,
+                hooks=self.hooks,
+            )
             self.writer.start()
-        self.turns = TurnRunner(self.client, self.sessions, self.renderer, limits=o.limits,
-                                tenant_limits=o.tenant_limits, hooks=self.hooks, mark_dirty=self.mark_dirty,
-                                commit_turn=self.commit_turn if o.durability == "sync" else None)
-        self.service = SidecarService(client=self.client, sessions=self.sessions, turns=self.turns, options=o,
-                                      hooks=self.hooks, store=self.store, mark_dirty=self.mark_dirty,
-                                      write_now=self.write_now, draining=lambda: self.draining)
+        self.turns = TurnRunner(
+            self.client,
+            self.sessions,
+            self.renderer,
+            limits=o.limits,
+            tenant_limits=o.tenant_limits,
+            hooks=self.hooks,
+            mark_dirty=self.mark_dirty,
+            commit_turn=self.commit_turn if o.durability == "sync" else None,
+        )
+        self.service = SidecarService(
+            client=self.client,
+            sessions=self.sessions,
+            turns=self.turns,
+            options=o,
+            hooks=self.hooks,
+            store=self.store,
+            mark_dirty=self.mark_dirty,
+            write_now=self.write_now,
+            draining=lambda: self.draining,
+        )
         self.port = await self.endpoint.start(self.service.handlers())
         self._janitor = asyncio.create_task(self._janitor_loop(), name="chainkv-janitor")
-        log.info("chainkv sidecar serving on %s:%d (store: %s)", o.host, self.port,
-                 self.store.describe() if self.store else "none")
+        log.info(
+            "chainkv sidecar serving on %s:%d (store: %s)",
+            o.host,
+            self.port,
+            self.store.describe() if self.store else "none",
+        )
         return self.port
 
     def _engine_failed(self, error: BaseException) -> None:
@@ -100,8 +135,9 @@ class SidecarServer:
         await self.turns.settle_all()
         if self.writer is not None:
             if not await self.writer.flush(self.options.flush_timeout_s):
-                log.warning("shutdown: %d session snapshot(s) not written",
-                            sum(s.snapshot_pending for s in self.sessions.all()))
+                log.warning(
+                    "shutdown: %d session snapshot(s) not written", sum(s.snapshot_pending for s in self.sessions.all())
+                )
             await self.writer.stop()
         if self._janitor is not None:
             self._janitor.cancel()
@@ -127,8 +163,10 @@ class SidecarServer:
         self.sessions.record(s, running, completion)
         await self.writer.write(s.key)
         if s.snapshot_pending:
-            raise StoreUnavailable(f"the turn finished but its snapshot was not written ({s.snapshot_error}); "
-                                   f"retry with the same request_id")
+            raise StoreUnavailable(
+                f"the turn finished but its snapshot was not written ({s.snapshot_error}); "
+                f"retry with the same request_id"
+            )
 
     async def write_now(self, key: str) -> None:
         if self.writer is not None:

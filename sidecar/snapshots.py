@@ -37,9 +37,18 @@ log = logging.getLogger(__name__)
 
 
 class SnapshotWriter:
-    def __init__(self, store: SessionStore, engine: EngineClient, sessions: SessionManager, *,
-                 with_kv: bool = True, max_pending: int = 4096, retry_base_s: float = 0.2, retry_max_s: float = 5.0,
-                 hooks: Any = None):
+    def __init__(
+        self,
+        store: SessionStore,
+        engine: EngineClient,
+        sessions: SessionManager,
+        *,
+        with_kv: bool = True,
+        max_pending: int = 4096,
+        retry_base_s: float = 0.2,
+        retry_max_s: float = 5.0,
+        hooks: Any = None,
+    ):
         self.store = store
         self.client = engine
         self.sessions = sessions
@@ -157,8 +166,13 @@ class SnapshotWriter:
                     break
                 except GenerationConflict as e:
                     if attempt == 0 and store_regressed(session.committed_generation, e):
-                        log.warning("%s: the store lost or rolled back this session (it holds generation %s, this "
-                                    "replica committed %s); rewriting it", key, e.found, session.committed_generation)
+                        log.warning(
+                            "%s: the store lost or rolled back this session (it holds generation %s, this "
+                            "replica committed %s); rewriting it",
+                            key,
+                            e.found,
+                            session.committed_generation,
+                        )
                         expected = e.found
                         self.rewrites += 1
                         continue

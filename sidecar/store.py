@@ -57,8 +57,13 @@ from typing import Any
 
 import msgpack
 
-from sidecar.store_errors import (GenerationConflict, SnapshotRejected, SnapshotRolledBack, StoreError,  # noqa: F401
-                                  StoreUnavailable)
+from sidecar.store_errors import (
+    GenerationConflict,
+    SnapshotRejected,
+    SnapshotRolledBack,
+    StoreError,  # noqa: F401
+    StoreUnavailable,
+)
 
 FORMAT = b"chainkv-session/1"
 DEFAULT_TTL_S = 7 * 24 * 3600
@@ -128,9 +133,15 @@ def encode_fields(stored: StoredSession, manifest: dict[str, Any], ttl_s: float)
         else:
             out[k] = msgpack.packb(v, use_bin_type=True)
     now = time.time()
-    out.update({"format": FORMAT, "kv": msgpack.packb(manifest, use_bin_type=True),
-                "app": msgpack.packb(stored.app, use_bin_type=True), "updated_at": repr(now).encode(),
-                "expires_at": repr(now + ttl_s).encode()})
+    out.update(
+        {
+            "format": FORMAT,
+            "kv": msgpack.packb(manifest, use_bin_type=True),
+            "app": msgpack.packb(stored.app, use_bin_type=True),
+            "updated_at": repr(now).encode(),
+            "expires_at": repr(now + ttl_s).encode(),
+        }
+    )
     return out
 
 
@@ -165,8 +176,13 @@ class SessionStore:
 
     kind = "abstract"
 
-    def __init__(self, ttl_s: float = DEFAULT_TTL_S, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 checksum: Checksum | None = None, hmac_keys: Any = None):
+    def __init__(
+        self,
+        ttl_s: float = DEFAULT_TTL_S,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        checksum: Checksum | None = None,
+        hmac_keys: Any = None,
+    ):
         """``hmac_keys``: a ``sidecar.integrity.SnapshotKeys``; the meta is then signed and checked,
         and the chunks carry HMACs (see sidecar/integrity.py)."""
         if ttl_s <= 0 or chunk_bytes <= 0:
@@ -183,8 +199,13 @@ class SessionStore:
         version = f"{stored.generation}.{secrets.token_hex(4)}"
         blob = stored.kv or b""
         chunks = [blob[i : i + self.chunk_bytes] for i in range(0, len(blob), self.chunk_bytes)]
-        manifest = {"version": version, "chunks": len(chunks), "bytes": len(blob), "checksum": self.checksum.name,
-                    "sums": [self.checksum.compute(c, (key, version, i)) for i, c in enumerate(chunks)]}
+        manifest = {
+            "version": version,
+            "chunks": len(chunks),
+            "bytes": len(blob),
+            "checksum": self.checksum.name,
+            "sums": [self.checksum.compute(c, (key, version, i)) for i, c in enumerate(chunks)],
+        }
         fields = encode_fields(stored, manifest, self.ttl_s)
         if self.hmac_keys is not None:
             self.hmac_keys.sign_meta(key, fields)
@@ -217,7 +238,9 @@ class SessionStore:
             if not with_kv or not manifest.get("chunks"):
                 return stored
             if manifest.get("checksum") != self.checksum.name:
-                stored.kv_error = f"the KV was sealed with {manifest.get('checksum')!r}, this store checks {self.checksum.name!r}"
+                stored.kv_error = (
+                    f"the KV was sealed with {manifest.get('checksum')!r}, this store checks {self.checksum.name!r}"
+                )
                 return stored
             parts = self._read_chunks(key, manifest["version"], manifest["chunks"])
             missing = [i for i, p in enumerate(parts) if p is None]
@@ -227,8 +250,11 @@ class SessionStore:
                 stored.kv_error = f"KV chunk {missing[0]} of {manifest['chunks']} is missing"
                 return stored
             where = [(key, manifest["version"], i) for i in range(len(parts))]
-            bad = [i for i, (p, s, w) in enumerate(zip(parts, manifest["sums"], where))
-                   if not self.checksum.verify(p, s, w)]
+            bad = [
+                i
+                for i, (p, s, w) in enumerate(zip(parts, manifest["sums"], where))
+                if not self.checksum.verify(p, s, w)
+            ]
             if bad:
                 stored.kv_error = f"KV chunk {bad[0]} of {manifest['chunks']} fails its {self.checksum.name} checksum"
                 return stored
@@ -270,7 +296,9 @@ class SessionStore:
             raise StoreError(f"the freshness fence of {key.split('/')[-1]!r} is malformed")
         if self.hmac_keys is not None:
             if not tag or not self.hmac_keys.verify(_fence_bytes(key, int(gen)), tag):
-                raise SnapshotRejected(f"the freshness fence of {key.split('/')[-1]!r} fails its HMAC; refusing the session")
+                raise SnapshotRejected(
+                    f"the freshness fence of {key.split('/')[-1]!r} fails its HMAC; refusing the session"
+                )
         return int(gen)
 
     def fence(self, key: str) -> int | None:
@@ -343,8 +371,9 @@ class RedisStore(SessionStore):
         self._redis = redis
         self.url = url
         self.prefix = prefix
-        self.client = client or redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=10.0,
-                                                     health_check_interval=30)
+        self.client = client or redis.Redis.from_url(
+            url, socket_connect_timeout=2.0, socket_timeout=10.0, health_check_interval=30
+        )
         self._commit_script = self.client.register_script(_COMMIT_LUA)
 
     def describe(self) -> str:
@@ -388,8 +417,12 @@ class RedisStore(SessionStore):
         self._call(write)
 
     def _commit(self, key: str, fields: dict[str, bytes], expected: int | None, fence: bytes) -> dict[str, Any] | None:
-        args: list[bytes | str] = ["" if expected is None else str(expected), str(self._ttl()),
-                                   fields["generation"], fence]
+        args: list[bytes | str] = [
+            "" if expected is None else str(expected),
+            str(self._ttl()),
+            fields["generation"],
+            fence,
+        ]
         for k, v in fields.items():
             args += [k, v]
         ok, old = self._call(self._commit_script, keys=[self.meta_key(key), self.fence_key(key)], args=args)
@@ -513,8 +546,7 @@ class DirectoryStore(SessionStore):
                 raise GenerationConflict(key, expected, have, fenced=True)
             if gen > have:
                 self._atomic_write(d / "fence", fence)
-            self._atomic_write(d / "meta", msgpack.packb({k.encode(): v for k, v in fields.items()},
-                                                         use_bin_type=True))
+            self._atomic_write(d / "meta", msgpack.packb({k.encode(): v for k, v in fields.items()}, use_bin_type=True))
             return msgpack.unpackb(current[b"kv"], raw=False) if current else None
 
     @staticmethod
@@ -586,7 +618,9 @@ class DirectoryStore(SessionStore):
 
 
 OWN_FOLDER_RE = re.compile(r"s-[a-z2-7]{52}")
-OWN_FILE_RE = re.compile(r"meta|fence|\.lock|kv\.[0-9]+\.[0-9a-f]+\.[0-9]+|\.(meta|fence|kv\.[0-9]+\.[0-9a-f]+\.[0-9]+)\.[0-9a-f]+\.tmp")
+OWN_FILE_RE = re.compile(
+    r"meta|fence|\.lock|kv\.[0-9]+\.[0-9a-f]+\.[0-9]+|\.(meta|fence|kv\.[0-9]+\.[0-9a-f]+\.[0-9]+)\.[0-9a-f]+\.tmp"
+)
 
 
 def folder_name(key: str) -> str:

@@ -17,8 +17,10 @@ class SnapshotRolledBack(StoreError):
 
     def __init__(self, key: str, found: int, fence: int):
         name = key.split("/")[-1]
-        super().__init__(f"the stored session {name!r} is at generation {found}, but generation {fence} was "
-                         f"committed before: the store was rolled back; refusing to serve the older session")
+        super().__init__(
+            f"the stored session {name!r} is at generation {found}, but generation {fence} was "
+            f"committed before: the store was rolled back; refusing to serve the older session"
+        )
         self.found, self.fence = found, fence
 
 

@@ -85,11 +85,18 @@ def tool_call_constraint(tools: list[ToolSpec], name: str | None = None) -> Cons
         raise OutputSpecError("a forced tool call needs the session's tools (send them with the turn)")
     chosen = [t for t in tools if name is None or t.name == name]
     if not chosen:
-        raise OutputSpecError(f"tool_choice names {name!r}, which is not one of the tools "
-                              f"({', '.join(t.name for t in tools)})")
-    options = [{"type": "object",
-                "properties": {"name": {"const": t.name}, "arguments": _arguments_schema(t)},
-                "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
+        raise OutputSpecError(
+            f"tool_choice names {name!r}, which is not one of the tools ({', '.join(t.name for t in tools)})"
+        )
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, "arguments": _arguments_schema(t)},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in chosen
+    ]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     return Constraint.json_schema(schema, prefix=OPEN + "\n", suffix="\n" + CLOSE)
 

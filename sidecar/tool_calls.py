@@ -62,17 +62,17 @@ class ToolCallParser:
                 if at < 0:
                     keep = _partial_suffix(self._buf, OPEN)
                     _text(events, self._buf[: len(self._buf) - keep])
-                    self._buf = self._buf[len(self._buf) - keep:]
+                    self._buf = self._buf[len(self._buf) - keep :]
                     return events
                 _text(events, self._buf[:at])
-                self._buf = self._buf[at + len(OPEN):]
+                self._buf = self._buf[at + len(OPEN) :]
                 self._inside = True
             else:
                 at = _closing(self._buf)
                 if at < 0:  # no closing tag yet, or none after which the body parses: wait for more
                     return events
                 call = parse_call(self._buf[:at])
-                self._buf = self._buf[at + len(CLOSE):]
+                self._buf = self._buf[at + len(CLOSE) :]
                 self._inside = False
                 events.append(("tool_call", call))
 
@@ -87,7 +87,7 @@ class ToolCallParser:
             else:
                 events.append(("tool_call", call))
                 if at >= 0:
-                    _text(events, self._buf[at + len(CLOSE):])
+                    _text(events, self._buf[at + len(CLOSE) :])
         else:
             _text(events, self._buf)
         self._buf, self._inside = "", False

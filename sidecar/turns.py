@@ -66,9 +66,18 @@ class TurnState:
 class TurnRunner:
     """Runs Turn requests against the engine client and the session manager."""
 
-    def __init__(self, client: EngineClient, sessions: SessionManager, renderer: ChatRenderer, *, limits: Limits,
-                 tenant_limits: TenantLimits, hooks: ServerHooks, mark_dirty: Callable[[str], None],
-                 commit_turn: Callable | None = None):
+    def __init__(
+        self,
+        client: EngineClient,
+        sessions: SessionManager,
+        renderer: ChatRenderer,
+        *,
+        limits: Limits,
+        tenant_limits: TenantLimits,
+        hooks: ServerHooks,
+        mark_dirty: Callable[[str], None],
+        commit_turn: Callable | None = None,
+    ):
         self.client = client
         self.sessions = sessions
         self.renderer = renderer
@@ -84,20 +93,27 @@ class TurnRunner:
     async def run(self, tenant: str, request: pb.TurnRequest, deadline: float | None) -> AsyncIterator[pb.TurnEvent]:
         """The events of one Turn RPC for ``tenant``; raises what ``status_for`` turns into a code."""
         args = parse_turn(request, self.limits)
-        async for event in self.run_args(tenant, args, deadline, max_tokens_given=request.HasField("max_tokens"),
-                                         digest=request_digest(request)):
+        async for event in self.run_args(
+            tenant, args, deadline, max_tokens_given=request.HasField("max_tokens"), digest=request_digest(request)
+        ):
             yield event
 
-    async def run_args(self, tenant: str, args: TurnArgs, deadline: float | None, *,
-                       max_tokens_given: bool, digest: str = "") -> AsyncIterator[pb.TurnEvent]:
+    async def run_args(
+        self, tenant: str, args: TurnArgs, deadline: float | None, *, max_tokens_given: bool, digest: str = ""
+    ) -> AsyncIterator[pb.TurnEvent]:
         """One turn from already-checked arguments (any front: gRPC, HTTP): text and token deltas,
         tool calls, then the completion, as ``chainkv.v1.TurnEvent`` messages. ``digest``: the
         request's content digest (a request_id reused for other content is refused)."""
         args.params.max_tokens = self.tenant_limits.check_max_tokens(tenant, args.params.max_tokens, max_tokens_given)
         key = scoped_key(tenant, args.session_id)
         self.check_quota(tenant, key)
-        s = await self.sessions.get_settled(key, create=True, expected_turn_index=args.expected_turn_index,
-                                            deadline=deadline, request_id=args.request_id)
+        s = await self.sessions.get_settled(
+            key,
+            create=True,
+            expected_turn_index=args.expected_turn_index,
+            deadline=deadline,
+            request_id=args.request_id,
+        )
         if args.request_id:
             check_same_request(s, args.request_id, digest)
             recorded = await self._recorded(s, args.request_id)
@@ -166,15 +182,25 @@ class TurnRunner:
         if not new and args.tools and digest != s.tools_digest:
             raise SessionError("a session's tools are fixed by its first turn; start a new session to change them")
         if new:
-            rendered = await asyncio.to_thread(self.renderer.first_turn, args.messages, args.tools,
-                                               args.shared_prefix_messages)
+            rendered = await asyncio.to_thread(
+                self.renderer.first_turn, args.messages, args.tools, args.shared_prefix_messages
+            )
         else:
             rendered = await asyncio.to_thread(self.renderer.continuation, args.messages, s.ends_with_eot)
         self.tenant_limits.check_prompt(TenantLimits.tenant_of(key), len(rendered.token_ids))
-        stream = await self.client.start_turn(key, EngineTurn(
-            token_ids=rendered.token_ids, params=args.params, spans=rendered.spans, method=args.method,
-            expected_turn_index=args.expected_turn_index, shared_prefix=rendered.shared_prefix, new_session=new,
-            prefix_scope="" if args.public_prefix else f"tenant:{TenantLimits.tenant_of(key)}"))
+        stream = await self.client.start_turn(
+            key,
+            EngineTurn(
+                token_ids=rendered.token_ids,
+                params=args.params,
+                spans=rendered.spans,
+                method=args.method,
+                expected_turn_index=args.expected_turn_index,
+                shared_prefix=rendered.shared_prefix,
+                new_session=new,
+                prefix_scope="" if args.public_prefix else f"tenant:{TenantLimits.tenant_of(key)}",
+            ),
+        )
         if new:
             s.in_engine, s.tools_digest, s.source_tier = True, digest, "new"
             s.tools = [t.openai() for t in args.tools]
@@ -244,21 +270,36 @@ class TurnRunner:
         self.sessions.end_turn(s, state.running, None)
 
 
-def completion_proto(args: TurnArgs, turn_index: int, result: TurnResult, text: str,
-                     calls: list[pb.ToolCall]) -> pb.TurnCompletion:
+def completion_proto(
+    args: TurnArgs, turn_index: int, result: TurnResult, text: str, calls: list[pb.ToolCall]
+) -> pb.TurnCompletion:
     """The Turn's last event: what was generated, why it stopped, and what it cost."""
     info = result.session
-    usage = pb.Usage(prompt_tokens=result.prompt_tokens, reused_tokens=result.reused_tokens,
-                     prefilled_tokens=result.prefilled_tokens, pruned_tokens=result.pruned_tokens,
-                     generated_tokens=len(result.token_ids), time_to_first_token_s=result.time_to_first_token or 0.0,
-                     source_tier=TIERS.get(result.source_tier or "", pb.TIER_UNSPECIFIED),
-                     history_tokens=info.num_tokens if info else 0, kv_tokens=info.kv_tokens if info else 0)
+    usage = pb.Usage(
+        prompt_tokens=result.prompt_tokens,
+        reused_tokens=result.reused_tokens,
+        prefilled_tokens=result.prefilled_tokens,
+        pruned_tokens=result.pruned_tokens,
+        generated_tokens=len(result.token_ids),
+        time_to_first_token_s=result.time_to_first_token or 0.0,
+        source_tier=TIERS.get(result.source_tier or "", pb.TIER_UNSPECIFIED),
+        history_tokens=info.num_tokens if info else 0,
+        kv_tokens=info.kv_tokens if info else 0,
+    )
     reason = FINISH.get(result.finish_reason, pb.FINISH_REASON_STOP)
     if calls and reason == pb.FINISH_REASON_STOP:
         reason = pb.FINISH_REASON_TOOL_CALLS
-    return pb.TurnCompletion(session_id=args.session_id, request_id=args.request_id, turn_index=turn_index,
-                             generation=info.generation if info else 0, finish_reason=reason, text=text,
-                             tool_calls=calls, token_ids=list(result.token_ids), usage=usage)
+    return pb.TurnCompletion(
+        session_id=args.session_id,
+        request_id=args.request_id,
+        turn_index=turn_index,
+        generation=info.generation if info else 0,
+        finish_reason=reason,
+        text=text,
+        tool_calls=calls,
+        token_ids=list(result.token_ids),
+        usage=usage,
+    )
 
 
 def replay_events(completion_bytes: bytes) -> list[pb.TurnEvent]:

@@ -78,7 +78,11 @@ def turn_text_bytes(request) -> int:
         for c in m.tool_calls:
             n += len(c.name) + len(c.arguments_json.encode("utf-8", "surrogatepass"))
     for t in request.tools:
-        n += len(t.name) + len(t.description.encode("utf-8", "surrogatepass")) + len(t.parameters_json.encode("utf-8", "surrogatepass"))
+        n += (
+            len(t.name)
+            + len(t.description.encode("utf-8", "surrogatepass"))
+            + len(t.parameters_json.encode("utf-8", "surrogatepass"))
+        )
     return n
 
 
@@ -86,8 +90,10 @@ def check_turn_bytes(request, max_bytes: int) -> None:
     """Refuse a Turn whose text is above ``max_bytes`` (TurnTooLarge: INVALID_ARGUMENT)."""
     n = turn_text_bytes(request)
     if n > max_bytes:
-        raise TurnTooLarge(f"the turn's messages and tools are {n} bytes; at most {max_bytes} "
-                         f"(the model's context holds {max_bytes // BYTES_PER_TOKEN} tokens)")
+        raise TurnTooLarge(
+            f"the turn's messages and tools are {n} bytes; at most {max_bytes} "
+            f"(the model's context holds {max_bytes // BYTES_PER_TOKEN} tokens)"
+        )
 
 
 def request_digest(request) -> str:
@@ -106,5 +112,7 @@ def check_same_request(s: "Session", request_id: str, digest: str) -> None:
     if known is None and s.running is not None and s.running.request_id == request_id:
         known = s.running.digest
     if known and known != digest:
-        raise RequestMismatch(f"request_id {request_id!r} was already used for a different request on this "
-                              f"session; use a new request_id for a new request")
+        raise RequestMismatch(
+            f"request_id {request_id!r} was already used for a different request on this "
+            f"session; use a new request_id for a new request"
+        )

@@ -20,8 +20,16 @@ torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5)
+TINY = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+)
 
 
 SMOLLM2_FIXTURES = {"smol_engine", "smollm2_dir", "smollm2_hf"}
@@ -43,8 +51,14 @@ def make_tiny(arch: str, path, seed: int = 0, **extra):
     if arch == "llama":
         cfg, cls = tf.LlamaConfig(**kw, tie_word_embeddings=False), tf.LlamaForCausalLM
     elif arch == "llama3":  # llama3 rope scaling, tied embeddings
-        kw["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+        kw["rope_parameters"] = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        }
         cfg, cls = tf.LlamaConfig(**kw, tie_word_embeddings=True), tf.LlamaForCausalLM
     elif arch == "qwen2":
         cfg, cls = tf.Qwen2Config(**kw, tie_word_embeddings=False), tf.Qwen2ForCausalLM

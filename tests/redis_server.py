@@ -41,10 +41,30 @@ class RedisProcess:
 
     def start(self) -> "RedisProcess":
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder),
-             "--save", "3600 1", "--appendonly", "yes" if self.aof else "no", "--appendfsync", "always", "--protected-mode", "no", "--loglevel", "warning",
-             "--enable-debug-command", "local"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.folder),
+                "--save",
+                "3600 1",
+                "--appendonly",
+                "yes" if self.aof else "no",
+                "--appendfsync",
+                "always",
+                "--protected-mode",
+                "no",
+                "--loglevel",
+                "warning",
+                "--enable-debug-command",
+                "local",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 20
         while True:
             try:

@@ -36,14 +36,37 @@ class Sidecar:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "Sidecar":
-        cmd = [sys.executable, "-m", "sidecar.cli", "serve", "--port", "0", "--store", self.store_url, "--device", "cpu",
-               "--num-pages", "3000", "--prefill-chunk-size", "128", "--max-model-len", "1024",
-               "--grace-s", str(self.grace_s), "--log-level", "WARNING", *self.extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "sidecar.cli",
+            "serve",
+            "--port",
+            "0",
+            "--store",
+            self.store_url,
+            "--device",
+            "cpu",
+            "--num-pages",
+            "3000",
+            "--prefill-chunk-size",
+            "128",
+            "--max-model-len",
+            "1024",
+            "--grace-s",
+            str(self.grace_s),
+            "--log-level",
+            "WARNING",
+            *self.extra,
+        ]
         for token, tenant in TOKENS.items():
             cmd += ["--auth-token", f"{token}={tenant}"]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                   OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1"
+        )
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         self.output: list[str] = []
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -76,8 +99,11 @@ class Sidecar:
         from prometheus_client.parser import text_string_to_metric_families
 
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for fam in text_string_to_metric_families(text) for s in fam.samples}
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        }
 
     def serving(self) -> bool:
         return serving(self.channel, timeout=10)
@@ -104,8 +130,9 @@ class Sidecar:
 def request(session: str, turn: list[tuple[str, str]], request_id: str = "", **kw) -> pb.TurnRequest:
     """A TurnRequest of ``turn``'s (role, content) messages; ``max_tokens`` 8 unless given."""
     kw.setdefault("max_tokens", 8)
-    return pb.TurnRequest(session_id=session, request_id=request_id,
-                          messages=[pb.Message(role=r, content=c) for r, c in turn], **kw)
+    return pb.TurnRequest(
+        session_id=session, request_id=request_id, messages=[pb.Message(role=r, content=c) for r, c in turn], **kw
+    )
 
 
 def turn_events(stub, req, metadata=ALPHA, **kw) -> tuple[list[pb.TurnEvent], pb.TurnCompletion]:
@@ -140,6 +167,7 @@ def committed(stub, session: str, metadata=ALPHA) -> bool:
 
 def serving(channel, timeout: float | None = None) -> bool:
     """The standard gRPC health check of the Sidecar service answers SERVING."""
-    h = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="chainkv.v1.Sidecar"),
-                                                  timeout=timeout)
+    h = health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service="chainkv.v1.Sidecar"), timeout=timeout
+    )
     return h.status == health_pb2.HealthCheckResponse.SERVING

@@ -35,8 +35,7 @@ def test_a_turn_on_a_busy_session_waits_for_it_instead_of_failing(target):
         started, first = threading.Event(), {}
 
         def long_turn():
-            for event in c.stream_turn("busy-1", [{"role": "user", "content": "go"}], max_tokens=1200,
-                                       ignore_eos=True):
+            for event in c.stream_turn("busy-1", [{"role": "user", "content": "go"}], max_tokens=1200, ignore_eos=True):
                 if isinstance(event, TextDelta):
                     started.set()
                 else:

@@ -20,15 +20,32 @@ from pydantic import BaseModel, Field  # noqa: E402
 
 from agent_adapters.client import build_turn_request  # noqa: E402
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                    "unit": {"enum": ["c", "f"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-CALC = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate arithmetic.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string", "maxLength": 10}},
-                   "required": ["expression"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CALC = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate arithmetic.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "maxLength": 10}},
+            "required": ["expression"],
+            "additionalProperties": False,
+        },
+    },
+}
 SCHEMAS = {"get_weather": WEATHER["function"]["parameters"], "calculator": CALC["function"]["parameters"]}
 
 
@@ -60,14 +77,19 @@ def _chat(target, **kw):
 
 # --- the Turn fields ------------------------------------------------------------------------------
 
+
 def test_openai_shaped_options_become_the_turn_fields():
-    req = build_turn_request("s", [{"role": "user", "content": "hi"}], tool_choice="any",
-                             response_format={"type": "json_schema",
-                                              "json_schema": {"name": "a", "schema": {"type": "object"}}})
+    req = build_turn_request(
+        "s",
+        [{"role": "user", "content": "hi"}],
+        tool_choice="any",
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}},
+    )
     assert req.tool_choice.mode == "required" and req.response_format.type == "json_schema"
     assert json.loads(req.response_format.json_schema) == {"type": "object"}
-    req = build_turn_request("s", [], tool_choice={"type": "function", "function": {"name": "calculator"}},
-                             response_format="json_object")
+    req = build_turn_request(
+        "s", [], tool_choice={"type": "function", "function": {"name": "calculator"}}, response_format="json_object"
+    )
     assert (req.tool_choice.mode, req.tool_choice.function_name) == ("function", "calculator")
     assert req.response_format.type == "json_object"
     for bad in ("sometimes", {"type": "function"}, 3):
@@ -79,8 +101,11 @@ def test_openai_shaped_options_become_the_turn_fields():
 
 # --- LangChain --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("choice", ["get_weather", "calculator", "required", "any", True,
-                                    {"type": "function", "function": {"name": "calculator"}}])
+
+@pytest.mark.parametrize(
+    "choice",
+    ["get_weather", "calculator", "required", "any", True, {"type": "function", "function": {"name": "calculator"}}],
+)
 def test_langchain_bind_tools_forces_a_well_formed_call(target, choice):
     msg = _chat(target).bind_tools([WEATHER, CALC], tool_choice=choice).invoke("What is the weather in Paris?")
     assert len(msg.tool_calls) == 1 and msg.response_metadata["finish_reason"] == "tool_calls"
@@ -118,17 +143,25 @@ def test_langchain_with_structured_output_pydantic(target, method):
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
 def test_langchain_with_structured_output_dict_schema_and_raw(target, method):
-    schema = {"title": "pick", "description": "a digit", "type": "object",
-              "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 9}},
-              "required": ["answer"], "additionalProperties": False}
+    schema = {
+        "title": "pick",
+        "description": "a digit",
+        "type": "object",
+        "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
     out = _chat(target).with_structured_output(schema, method=method, include_raw=True).invoke("Pick a digit.")
     assert out["parsing_error"] is None and out["raw"].usage_metadata["output_tokens"] > 0
     jsonschema.validate(out["parsed"], schema)
 
 
 def test_langchain_json_mode_and_unknown_method(target):
-    out = _chat(target, max_tokens=200).with_structured_output(None, method="json_mode", include_raw=True) \
+    out = (
+        _chat(target, max_tokens=200)
+        .with_structured_output(None, method="json_mode", include_raw=True)
         .invoke("Reply in JSON.")
+    )
     # json_mode: the reply is a JSON object unless cut short by max_tokens
     if out["raw"].response_metadata["finish_reason"] == "stop":
         assert isinstance(out["parsed"], dict)
@@ -142,6 +175,7 @@ def test_langchain_async_structured_output(target):
 
 
 # --- LlamaIndex ---------------------------------------------------------------------------------------
+
 
 # LlamaIndex tools with bounded parameter types (a random model's free strings run past max_tokens)
 class WeatherArgs(BaseModel):
@@ -180,15 +214,19 @@ def test_llamaindex_chat_with_tools_required_and_response_format(target):
     from agent_adapters.llamaindex import ChainKVLLM
 
     llm = ChainKVLLM(target=target, max_tokens=120, temperature=1.0, seed=9)
-    tools = [FunctionTool.from_defaults(get_weather, fn_schema=WeatherArgs),
-             FunctionTool.from_defaults(calculator, fn_schema=CalcArgs)]
+    tools = [
+        FunctionTool.from_defaults(get_weather, fn_schema=WeatherArgs),
+        FunctionTool.from_defaults(calculator, fn_schema=CalcArgs),
+    ]
     response = llm.chat_with_tools(tools, user_msg="Weather in Rome?", tool_required=True)
     calls = llm.get_tool_calls_from_response(response)
     assert len(calls) == 1 and calls[0].tool_name in ("get_weather", "calculator")
     response = llm.chat_with_tools(tools, user_msg="Weather in Rome?", tool_choice="calculator")
     assert [c.tool_name for c in llm.get_tool_calls_from_response(response)] == ["calculator"]
     schema = Answer.model_json_schema()
-    r = llm.chat([ChatMessage(role="user", content="Pick a digit.")],
-                 response_format={"type": "json_schema", "json_schema": {"name": "Answer", "schema": schema}})
+    r = llm.chat(
+        [ChatMessage(role="user", content="Pick a digit.")],
+        response_format={"type": "json_schema", "json_schema": {"name": "Answer", "schema": schema}},
+    )
     if r.raw["finish_reason"] == "stop":
         Answer.model_validate_json(r.message.content)

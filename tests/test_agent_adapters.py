@@ -32,11 +32,18 @@ from agent_adapters.messages import TextDelta, ToolCall, TurnResult  # noqa: E40
 
 pytestmark = pytest.mark.slow
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-CALL_PROMPT = ('Reply with exactly this line and nothing else: '
-               '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>')
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALL_PROMPT = (
+    "Reply with exactly this line and nothing else: "
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+)
 ANSWER_HINT = "Now describe the weather in one sentence, without calling a tool."
 SYSTEM = "You are a concise assistant."
 
@@ -60,13 +67,19 @@ def session_of(target: str, session_id: str):
 
 # --- the client ----------------------------------------------------------------------------------
 
+
 def test_client_streams_then_continues_the_session_and_reports_server_info(sidecar, smol_engine):
     _, target = sidecar
     with ChainKVClient(target) as c:
         info = c.server_info()
         assert info.max_model_len == smol_engine.max_model_len and "dense" in info.methods
-        events = list(c.stream_turn("cl-1", [{"role": "system", "content": SYSTEM},
-                                             {"role": "user", "content": "Name a fruit."}], max_tokens=8))
+        events = list(
+            c.stream_turn(
+                "cl-1",
+                [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a fruit."}],
+                max_tokens=8,
+            )
+        )
         deltas = [e for e in events if isinstance(e, TextDelta)]
         first = events[-1]
         assert isinstance(first, TurnResult) and len(deltas) >= 2
@@ -85,14 +98,20 @@ def test_a_deadline_stops_the_turn_and_is_not_retried(sidecar):
     _, target = sidecar
     with ChainKVClient(target) as c:
         with pytest.raises(ChainKVError) as e:
-            c.turn("cl-deadline", [{"role": "user", "content": "Count to one thousand."}], max_tokens=400,
-                   ignore_eos=True, timeout_s=0.5)
+            c.turn(
+                "cl-deadline",
+                [{"role": "user", "content": "Count to one thousand."}],
+                max_tokens=400,
+                ignore_eos=True,
+                timeout_s=0.5,
+            )
         assert e.value.code is grpc.StatusCode.DEADLINE_EXCEEDED and e.value.attempts == 1
 
 
 @pytest.mark.parametrize("keep_upstream", [True, False], ids=["server-keeps-running", "server-sees-the-drop"])
-def test_a_stream_dropped_after_its_first_tokens_is_retried_without_running_the_turn_twice(sidecar, smol_engine,
-                                                                                          keep_upstream):
+def test_a_stream_dropped_after_its_first_tokens_is_retried_without_running_the_turn_twice(
+    sidecar, smol_engine, keep_upstream
+):
     """The proxy drops the client's connection right after the first delta. Either the server
     never notices (a partition) and finishes the turn: the retry, same request_id, is answered
     from its idempotency record (replayed); or it notices, cancels and rolls the turn back: the
@@ -108,8 +127,13 @@ def test_a_stream_dropped_after_its_first_tokens_is_retried_without_running_the_
     try:
         with ChainKVClient(proxy.target, retry=RetryPolicy(max_attempts=8, initial_backoff_s=0.05)) as c:
             events = []
-            for event in c.stream_turn(sid, [{"role": "user", "content": "Tell me about the sea."}],
-                                       max_tokens=32, ignore_eos=True, request_id="req-1"):
+            for event in c.stream_turn(
+                sid,
+                [{"role": "user", "content": "Tell me about the sea."}],
+                max_tokens=32,
+                ignore_eos=True,
+                request_id="req-1",
+            ):
                 events.append(event)
                 if len(events) == 1:
                     assert proxy.cut(keep_upstream=keep_upstream) == 1
@@ -123,8 +147,13 @@ def test_a_stream_dropped_after_its_first_tokens_is_retried_without_running_the_
                 assert smol_engine.totals["decoded_tokens"] - decoded_before == 32  # the engine ran it once
             s = c.get_session(sid)
             assert s.turn_index == 1 and s.history_tokens == result.usage.history_tokens
-            again = c.turn(sid, [{"role": "user", "content": "Tell me about the sea."}], max_tokens=32,
-                           ignore_eos=True, request_id="req-1")  # a late duplicate
+            again = c.turn(
+                sid,
+                [{"role": "user", "content": "Tell me about the sea."}],
+                max_tokens=32,
+                ignore_eos=True,
+                request_id="req-1",
+            )  # a late duplicate
             assert again.replayed and again.text == result.text and c.get_session(sid).turn_index == 1
             with pytest.raises(ChainKVError) as e:  # the same request_id for another request is refused
                 c.turn(sid, [{"role": "user", "content": "x"}], request_id="req-1")
@@ -139,6 +168,7 @@ async def _engine_busy(server) -> bool:
 
 
 # --- LangChain -----------------------------------------------------------------------------------
+
 
 def test_langchain_streams_and_continues_the_thread_with_only_new_messages(sidecar):
     from langchain_core.messages import AIMessageChunk, HumanMessage, SystemMessage
@@ -168,7 +198,9 @@ def test_langchain_streams_and_continues_the_thread_with_only_new_messages(sidec
     assert session_of(target, "lc-thread").turn_index == 3
     # an edited history cannot continue the session: it moves to a fresh one, with the whole history
     edited = llm.invoke([SystemMessage(SYSTEM), HumanMessage("Name a fruit.")], config=cfg)
-    assert edited.response_metadata["session_id"].startswith("lc-thread~") and edited.response_metadata["turn_index"] == 0
+    assert (
+        edited.response_metadata["session_id"].startswith("lc-thread~") and edited.response_metadata["turn_index"] == 0
+    )
 
 
 def test_langchain_async_invoke_and_stream(sidecar):
@@ -210,8 +242,9 @@ def test_langchain_tool_call_round_trip(sidecar):
     history = [HumanMessage(CALL_PROMPT)]
     chunks = list(llm.stream(history, config=cfg))
     call_msg = sum(chunks[1:], chunks[0])
-    assert call_msg.tool_calls == [{"name": "get_weather", "args": {"city": "Paris"}, "id": "call_0_0",
-                                    "type": "tool_call"}]
+    assert call_msg.tool_calls == [
+        {"name": "get_weather", "args": {"city": "Paris"}, "id": "call_0_0", "type": "tool_call"}
+    ]
     assert "<tool_call>" not in call_msg.content
     assert call_msg.response_metadata["finish_reason"] == "tool_calls"
     result = get_weather.invoke(call_msg.tool_calls[0])
@@ -224,6 +257,7 @@ def test_langchain_tool_call_round_trip(sidecar):
 
 
 # --- LlamaIndex ------------------------------------------------------------------------------------
+
 
 def test_llamaindex_metadata_chat_and_stream_chat_continue_the_session(sidecar, smol_engine):
     from llama_index.core.base.llms.types import ChatMessage
@@ -290,9 +324,15 @@ def test_llamaindex_tool_call_round_trip(sidecar):
     calls = llm.get_tool_calls_from_response(response)
     assert [(c.tool_id, c.tool_name, c.tool_kwargs) for c in calls] == [("call_0_0", "get_weather", {"city": "Paris"})]
     output = tool.call(**calls[0].tool_kwargs)
-    history += [ChatMessage(role="user", content=CALL_PROMPT), response.message,
-                ChatMessage(role="tool", content=str(output), additional_kwargs={"tool_call_id": calls[0].tool_id,
-                                                                                 "name": "get_weather"})]
+    history += [
+        ChatMessage(role="user", content=CALL_PROMPT),
+        response.message,
+        ChatMessage(
+            role="tool",
+            content=str(output),
+            additional_kwargs={"tool_call_id": calls[0].tool_id, "name": "get_weather"},
+        ),
+    ]
     answer = llm.chat(history)
     assert answer.message.content and answer.raw["turn_index"] == 1 and answer.raw["usage"]["reused_tokens"] > 0
     assert not llm.get_tool_calls_from_response(answer, error_on_no_tool_call=False)
@@ -303,8 +343,9 @@ def test_async_client_streams_and_sessions_are_ordered(sidecar):
 
     async def main():
         async with AsyncChainKVClient(target) as c:
-            events = [e async for e in c.stream_turn("acl-1", [{"role": "user", "content": "Name a fruit."}],
-                                                     max_tokens=6)]
+            events = [
+                e async for e in c.stream_turn("acl-1", [{"role": "user", "content": "Name a fruit."}], max_tokens=6)
+            ]
             second = await c.turn("acl-1", [{"role": "user", "content": "Another?"}], max_tokens=6)
             return events, second
 
@@ -315,6 +356,7 @@ def test_async_client_streams_and_sessions_are_ordered(sidecar):
 
 
 # --- the examples ----------------------------------------------------------------------------------
+
 
 def _example(name: str):
     import importlib.util
@@ -330,11 +372,13 @@ def _example(name: str):
 def test_the_examples_run_against_the_sidecar(sidecar):
     _, target = sidecar
     lines: list[str] = []
-    history = _example("langchain_agent").run(target, questions=["What is 2 + 3?", "Thanks."], max_tokens=12,
-                                              thread_id="ex-lc", out=lines.append)
+    history = _example("langchain_agent").run(
+        target, questions=["What is 2 + 3?", "Thanks."], max_tokens=12, thread_id="ex-lc", out=lines.append
+    )
     answers = [line for line in lines if line.startswith("assistant:")]
     assert len(answers) >= 2 and "reused]" in answers[-1] and " 0 reused]" not in answers[-1]
     assert session_of(target, "ex-lc").turn_index == len([m for m in history if m.type == "ai"])
-    llm = _example("llamaindex_chat").run(target, questions=["Hi!", "Name a color."], max_tokens=8,
-                                          session_id="ex-li", out=lines.append)
+    llm = _example("llamaindex_chat").run(
+        target, questions=["Hi!", "Name a color."], max_tokens=8, session_id="ex-li", out=lines.append
+    )
     assert session_of(target, llm.session_id).turn_index == 2  # the chat engine's second message continued the session

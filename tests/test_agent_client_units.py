@@ -66,8 +66,15 @@ def test_a_retried_stream_that_differs_raises():
 
 
 def test_turn_requests_take_engine_names_and_reject_unknown_options():
-    req = build_turn_request("s", [{"role": "user", "content": "x"}], max_tokens=4, stop="END", method="dense",
-                             method_args={"n_sink": 4}, tools=[{"type": "function", "function": {"name": "f"}}])
+    req = build_turn_request(
+        "s",
+        [{"role": "user", "content": "x"}],
+        max_tokens=4,
+        stop="END",
+        method="dense",
+        method_args={"n_sink": 4},
+        tools=[{"type": "function", "function": {"name": "f"}}],
+    )
     assert req.max_tokens == 4 and list(req.stop) == ["END"] and req.method_args["n_sink"] == "4"
     assert req.request_id and req.tools[0].name == "f" and not req.HasField("temperature")
     assert build_turn_request("s", [{"role": "user", "content": "x"}], request_id="").request_id == ""
@@ -113,9 +120,11 @@ def test_attempts_retry_unavailable_then_aborted_up_to_max_attempts():
 
 
 def test_attempts_not_repeatable_other_codes_and_the_deadline_are_final():
-    for client, repeatable, code in [(_Client(), False, grpc.StatusCode.UNAVAILABLE),
-                                     (_Client(), True, grpc.StatusCode.INVALID_ARGUMENT),
-                                     (_Client(timeout_s=0.0), True, grpc.StatusCode.UNAVAILABLE)]:
+    for client, repeatable, code in [
+        (_Client(), False, grpc.StatusCode.UNAVAILABLE),
+        (_Client(), True, grpc.StatusCode.INVALID_ARGUMENT),
+        (_Client(timeout_s=0.0), True, grpc.StatusCode.UNAVAILABLE),
+    ]:
         a = _Attempts(client, None, repeatable=repeatable)
         opts = a.next()
         with pytest.raises(ChainKVError) as e:

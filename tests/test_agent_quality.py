@@ -29,7 +29,9 @@ def test_families_are_seeded_and_answerable():
                 qs = s.questions
                 assert qs and all(t.question.isdigit() for _, t in qs)
                 for i, turn in qs:
-                    before = "".join(p.text for t in s.turns[: i + 1] for p in t.pieces)  # the question turn may hold it
+                    before = "".join(
+                        p.text for t in s.turns[: i + 1] for p in t.pieces
+                    )  # the question turn may hold it
                     assert f": {turn.question}\n" in before + "\n" or f": {turn.question}<" in before
                     assert 0 <= turn.distance < size.turns
 
@@ -37,8 +39,14 @@ def test_families_are_seeded_and_answerable():
 def test_running_state_asks_for_the_last_update():
     s = make_samples("state", Size(5, 4, lag=2), 1, 3)[0]
     key = s.turns[-1].pieces[-1].text.split("\n")[-1].rstrip(":")  # the answer starts "key:"
-    updates = [line.split(": ")[1] for t in s.turns for p in t.pieces if p.role == "tool"
-               for line in p.text.splitlines() if line.startswith(key + ":")]
+    updates = [
+        line.split(": ")[1]
+        for t in s.turns
+        for p in t.pieces
+        if p.role == "tool"
+        for line in p.text.splitlines()
+        if line.startswith(key + ":")
+    ]
     assert len(updates) == 3 and updates[-1] == s.turns[-1].question and len(set(updates)) == 3
     assert s.turns[-1].distance == 2
     tool_turns = [i for i, t in enumerate(s.turns) if any(key + ":" in p.text for p in t.pieces if p.role == "tool")]
@@ -47,7 +55,13 @@ def test_running_state_asks_for_the_last_update():
 
 def test_shared_questions_cover_different_sections():
     s = make_samples("shared", Size(5, 40), 1, 0)[0]
-    doc = [line.split(": ")[0] for p in s.turns[0].pieces if p.role == "tool" for line in p.text.splitlines() if ": " in line]
+    doc = [
+        line.split(": ")[0]
+        for p in s.turns[0].pieces
+        if p.role == "tool"
+        for line in p.text.splitlines()
+        if ": " in line
+    ]
     asked = [t.pieces[-1].text.split("\n")[-1].rstrip(":") for _, t in s.questions]
     assert len(doc) == 40 and [t.distance for _, t in s.questions] == [1, 2, 3, 4]
     assert [doc.index(k) // 10 for k in asked] == [0, 1, 2, 3]
@@ -61,9 +75,30 @@ def test_exact_match_scoring():
 @pytest.mark.slow
 def test_harness_sees_equality_and_loss(tmp_path):
     out = tmp_path / "aq.json"
-    d = agent_quality.main(["--size", "test", "--samples", "3", "--methods", "snapkv",
-                            "--budgets", "100000,16", "--prunes", "none", "--once-method", "",
-                            "--calibrate", "0", "--device", "cpu", "--kv-cache-gb", "0.5", "--out", str(out)])
+    d = agent_quality.main(
+        [
+            "--size",
+            "test",
+            "--samples",
+            "3",
+            "--methods",
+            "snapkv",
+            "--budgets",
+            "100000,16",
+            "--prunes",
+            "none",
+            "--once-method",
+            "",
+            "--calibrate",
+            "0",
+            "--device",
+            "cpu",
+            "--kv-cache-gb",
+            "0.5",
+            "--out",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text())["rows"] == d["rows"]
     rows = {(r["config"], r["family"], r["size"]): r for r in d["rows"]}
     groups = {(r["family"], r["size"]) for r in d["rows"]}

@@ -43,15 +43,15 @@ def test_decode_matches_naive_per_head(G, P):
     B = len(lens)
     q = torch.randn(B, H * G, D)
     tables, lengths = mgr.view_tables(torch.arange(B), 0, mgr.max_pages)
-    out, probs = ReferenceAttention().decode(pool, AttentionView(tables, lengths, P), q, D ** -0.5, want_probs=True)
+    out, probs = ReferenceAttention().decode(pool, AttentionView(tables, lengths, P), q, D**-0.5, want_probs=True)
     for b in range(B):
         for h in range(H):
             k, v, _ = kv[b][h]
             for g in range(G):
                 qh = q[b, h * G + g]
-                torch.testing.assert_close(out[b, h * G + g], naive(qh[None], k, v, D ** -0.5)[0], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(out[b, h * G + g], naive(qh[None], k, v, D**-0.5)[0], rtol=1e-5, atol=1e-5)
                 p = probs[b, h * G + g]
-                assert abs(float(p.sum()) - 1) < 1e-5 and float(p[lens[b][h]:].abs().sum()) == 0
+                assert abs(float(p.sum()) - 1) < 1e-5 and float(p[lens[b][h] :].abs().sum()) == 0
 
 
 def test_selected_pages_restrict_decode():
@@ -60,12 +60,12 @@ def test_selected_pages_restrict_decode():
     q = torch.randn(1, H * G, D)
     tables, lengths = mgr.view_tables(torch.arange(1), 0, 4)
     sel = torch.tensor([[[0, 2, -1], [3, -1, -1]]])
-    out, _ = ReferenceAttention().decode(pool, AttentionView(tables, lengths, P, selected_pages=sel), q, D ** -0.5)
+    out, _ = ReferenceAttention().decode(pool, AttentionView(tables, lengths, P, selected_pages=sel), q, D**-0.5)
     for h, pages in enumerate([[0, 2], [3]]):
         idx = torch.cat([torch.arange(p * P, (p + 1) * P) for p in pages])
         k, v, _ = kv[0][h]
         for g in range(G):
-            torch.testing.assert_close(out[0, h * G + g], naive(q[0, h * G + g][None], k[idx], v[idx], D ** -0.5)[0])
+            torch.testing.assert_close(out[0, h * G + g], naive(q[0, h * G + g][None], k[idx], v[idx], D**-0.5)[0])
 
 
 def test_prefill_is_causal_by_position():
@@ -78,8 +78,9 @@ def test_prefill_is_causal_by_position():
     ReferenceAttention().store_kv(pool, slots[0], k_new, v_new)
     q = torch.randn(n, H * G, D)
     tables, lengths = mgr.view_tables(torch.arange(1), 0, mgr.max_pages)
-    out, probs = ReferenceAttention().prefill(pool, AttentionView(tables, lengths, P), q, torch.arange(10, 10 + n),
-                                              D ** -0.5, probs_window=2)
+    out, probs = ReferenceAttention().prefill(
+        pool, AttentionView(tables, lengths, P), q, torch.arange(10, 10 + n), D**-0.5, probs_window=2
+    )
     assert probs.shape == (H * G, 2, tables.shape[-1] * P)
     for h in range(H):
         k_old, v_old, _ = kv[0][h]
@@ -87,7 +88,7 @@ def test_prefill_is_causal_by_position():
             k = torch.cat([k_old, k_new[: i + 1, h]])
             v = torch.cat([v_old, v_new[: i + 1, h]])
             for g in range(G):
-                torch.testing.assert_close(out[i, h * G + g], naive(q[i, h * G + g][None], k, v, D ** -0.5)[0])
+                torch.testing.assert_close(out[i, h * G + g], naive(q[i, h * G + g][None], k, v, D**-0.5)[0])
 
 
 def test_non_finite_values_past_a_heads_end_are_never_read():
@@ -103,8 +104,10 @@ def test_non_finite_values_past_a_heads_end_are_never_read():
     tables, lengths = mgr.view_tables(torch.arange(1), 0, mgr.max_pages)
     view = AttentionView(tables, lengths, P)
     q1, qn = torch.randn(1, H * G, D), torch.randn(n, H * G, D)
-    clean = (ReferenceAttention().decode(pool, view, q1, D ** -0.5)[0],
-             ReferenceAttention().prefill(pool, view, qn, torch.arange(40, 40 + n), D ** -0.5)[0])
+    clean = (
+        ReferenceAttention().decode(pool, view, q1, D**-0.5)[0],
+        ReferenceAttention().prefill(pool, view, qn, torch.arange(40, 40 + n), D**-0.5)[0],
+    )
     readable = view.readable()[0]  # [H, T]
     pages = tables[0].long().clamp(min=0)
     flat = (pages[..., None] * P + torch.arange(P)).reshape(H, -1)
@@ -113,8 +116,10 @@ def test_non_finite_values_past_a_heads_end_are_never_read():
     assert hidden.numel() and (tables[0] < 0).any()
     pool.k.view(-1, D)[hidden] = float("nan")
     pool.v.view(-1, D)[hidden] = float("inf")
-    dirty = (ReferenceAttention().decode(pool, view, q1, D ** -0.5)[0],
-             ReferenceAttention().prefill(pool, view, qn, torch.arange(40, 40 + n), D ** -0.5)[0])
+    dirty = (
+        ReferenceAttention().decode(pool, view, q1, D**-0.5)[0],
+        ReferenceAttention().prefill(pool, view, qn, torch.arange(40, 40 + n), D**-0.5)[0],
+    )
     for a, b in zip(clean, dirty):
         assert torch.equal(a, b)
 
@@ -133,14 +138,17 @@ def test_triton_prefill_with_uniform_heads_equals_the_reference(n):
     mgr.open(0)
     total = before + n
     slots = mgr.append([0], [total], torch.arange(total))
-    ReferenceAttention().store_kv(pool, slots[0], torch.randn(total, H, D, generator=g), torch.randn(total, H, D, generator=g))
+    ReferenceAttention().store_kv(
+        pool, slots[0], torch.randn(total, H, D, generator=g), torch.randn(total, H, D, generator=g)
+    )
     tables, lengths = mgr.view_tables(torch.tensor([0]), 0, mgr.max_pages)
     view = AttentionView(tables, lengths, P)
     q = torch.randn(n, H * G, D, generator=g)
     q_pos = torch.arange(before, total)
-    ref_out, ref_probs = ReferenceAttention().prefill(pool, view, q, q_pos, D ** -0.5, probs_window=8)
-    out, probs = TritonPagedAttention(torch.device("cpu")).prefill(pool, view, q, q_pos, D ** -0.5, probs_window=8,
-                                                                   uniform_length=total)
+    ref_out, ref_probs = ReferenceAttention().prefill(pool, view, q, q_pos, D**-0.5, probs_window=8)
+    out, probs = TritonPagedAttention(torch.device("cpu")).prefill(
+        pool, view, q, q_pos, D**-0.5, probs_window=8, uniform_length=total
+    )
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(probs, ref_probs[..., :total], rtol=1e-5, atol=1e-6)
     assert float(ref_probs[..., total:].abs().sum()) == 0

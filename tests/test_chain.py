@@ -18,8 +18,14 @@ from tests.conftest import first_turn, haystack, next_turn, run_turn
 
 L, H, P = 30, 3, 16
 GREEDY = SamplingParams(max_tokens=10)
-USER_TURNS = ["Hi! Who are you?", "What is 2 + 2?", "Name a color.", "Tell me a fun fact about cats.",
-              "And one about dogs?", "Thanks, bye!"]
+USER_TURNS = [
+    "Hi! Who are you?",
+    "What is 2 + 2?",
+    "Name a color.",
+    "Tell me a fun fact about cats.",
+    "And one about dogs?",
+    "Thanks, bye!",
+]
 
 
 def fresh(engine, prompt, params=GREEDY):
@@ -98,8 +104,16 @@ def test_pruning_a_tool_span_frees_pages_and_keeps_the_prefix(smol_engine):
 
 @pytest.mark.slow
 def test_keep_ratio_pruning_keeps_the_attended_part():
-    eng = LLMEngine(EngineConfig(num_pages=20000, prefill_chunk_size=256, prune_policy="keep_ratio",
-                                 prune_keep_ratio=0.5, prune_roles=["tool"], prune_lag=0))
+    eng = LLMEngine(
+        EngineConfig(
+            num_pages=20000,
+            prefill_chunk_size=256,
+            prune_policy="keep_ratio",
+            prune_keep_ratio=0.5,
+            prune_roles=["tool"],
+            prune_lag=0,
+        )
+    )
     run_turn(eng, "kr", first_turn(eng, "Check the inventory."), GREEDY)
     tool = next_turn(eng, "Inventory: " + haystack(10), role="tool")
     out = run_turn(eng, "kr", tool, GREEDY, role="tool")  # prune_lag 0: pruned at the end of its own turn
@@ -107,7 +121,9 @@ def test_keep_ratio_pruning_keeps_the_attended_part():
     assert len(log) == 1 and log[0]["policy"] == "keep_ratio" and log[0]["reason"] == "lag"
     assert log[0]["removed"] == L * H * (len(tool) - math.ceil(0.5 * len(tool)))
     lengths = eng.manager.seq_lengths("kr")
-    assert int(lengths.max()) == out.turn_start + len(tool) + len(out.token_ids) - 1 - (len(tool) - math.ceil(0.5 * len(tool)))
+    assert int(lengths.max()) == out.turn_start + len(tool) + len(out.token_ids) - 1 - (
+        len(tool) - math.ceil(0.5 * len(tool))
+    )
     run_turn(eng, "kr", next_turn(eng, "How many red balls are there?"), GREEDY)
 
 

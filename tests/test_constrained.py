@@ -39,8 +39,9 @@ def _prompt(engine, text):
 def test_json_schema_output_validates_greedy_and_sampled(engine):
     c = Constraint.json_schema(SCHEMA)
     prompts = [_prompt(engine, f"question {i}") for i in range(4)]
-    params = [SamplingParams(max_tokens=300, temperature=t, seed=i, constraint=c)
-              for i, t in enumerate([0, 0.7, 1.3, 2.0])]
+    params = [
+        SamplingParams(max_tokens=300, temperature=t, seed=i, constraint=c) for i, t in enumerate([0, 0.7, 1.3, 2.0])
+    ]
     outs = engine.generate(prompts, params)
     for o in outs:
         assert o.finish_reason == "stop", o.text
@@ -53,11 +54,12 @@ def test_json_schema_output_validates_greedy_and_sampled(engine):
 
 def test_json_object_and_affixes(engine):
     c = Constraint("json_object", prefix="<tool_call>\n", suffix="\n</tool_call>")
-    o = engine.generate([_prompt(engine, "call it")], SamplingParams(max_tokens=400, temperature=0.8, seed=3,
-                                                                    constraint=c))[0]
+    o = engine.generate(
+        [_prompt(engine, "call it")], SamplingParams(max_tokens=400, temperature=0.8, seed=3, constraint=c)
+    )[0]
     if o.finish_reason == "stop":  # a random model may nest objects past max_tokens
         assert o.text.startswith("<tool_call>\n") and o.text.endswith("\n</tool_call>")
-        assert isinstance(json.loads(o.text[len("<tool_call>\n"): -len("\n</tool_call>")]), dict)
+        assert isinstance(json.loads(o.text[len("<tool_call>\n") : -len("\n</tool_call>")]), dict)
     else:
         assert o.text.startswith("<tool_call>\n{")
 
@@ -84,30 +86,38 @@ def test_constrained_and_free_rows_share_a_batch(engine):
     free_params = SamplingParams(max_tokens=10, ignore_eos=True)
     p_free = _prompt(engine, "free text")
     alone = engine.generate([p_free], free_params)[0].token_ids
-    outs = engine.generate([p_free, _prompt(engine, "json")],
-                           [free_params, SamplingParams(max_tokens=300, constraint=Constraint.json_schema(SCHEMA))])
+    outs = engine.generate(
+        [p_free, _prompt(engine, "json")],
+        [free_params, SamplingParams(max_tokens=300, constraint=Constraint.json_schema(SCHEMA))],
+    )
     assert outs[0].token_ids == alone
     jsonschema.validate(json.loads(outs[1].text), SCHEMA)
 
 
-@pytest.mark.parametrize("bad", [
-    lambda: Constraint("xml", "<a/>"),
-    lambda: Constraint("json_schema", ""),
-    lambda: Constraint("json_schema", "{not json"),
-    lambda: Constraint("json_schema", "[1, 2]"),
-    lambda: Constraint("json_schema", "{" * 5000 + "}" * 5000),
-    lambda: Constraint.json_schema(_deep(100)),
-    lambda: Constraint("regex", "x" * (300 * 1024)),
-    lambda: Constraint("json_object", prefix="p" * 1000),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: Constraint("xml", "<a/>"),
+        lambda: Constraint("json_schema", ""),
+        lambda: Constraint("json_schema", "{not json"),
+        lambda: Constraint("json_schema", "[1, 2]"),
+        lambda: Constraint("json_schema", "{" * 5000 + "}" * 5000),
+        lambda: Constraint.json_schema(_deep(100)),
+        lambda: Constraint("regex", "x" * (300 * 1024)),
+        lambda: Constraint("json_object", prefix="p" * 1000),
+    ],
+)
 def test_hostile_constraints_are_refused(bad):
     with pytest.raises(ConstraintError):
         bad()
 
 
 def test_uncompilable_constraints_are_refused_by_the_engine(engine):
-    for c in [Constraint("regex", "(unclosed"), Constraint("grammar", "root ::= ("),
-              Constraint.json_schema({"type": "no-such-type"})]:
+    for c in [
+        Constraint("regex", "(unclosed"),
+        Constraint("grammar", "root ::= ("),
+        Constraint.json_schema({"type": "no-such-type"}),
+    ]:
         with pytest.raises(ConstraintError):
             engine.add_request(_prompt(engine, "x"), SamplingParams(constraint=c))
     assert not engine.has_unfinished()
@@ -138,26 +148,48 @@ def _drain(engine, sid):
 
 
 PROMPTS = [
-    "Describe a cat.", "What is 2+2?", "Name a color.", "Is the sky green?", "Rate the movie Alien.",
-    "Give me a fruit.", "Tell me about Paris.", "How many legs has a spider?", "Pick a random word.",
-    "Is water wet?", "What is the capital of Japan?", "Summarize: the quick brown fox.", "Say hello.",
-    "Recommend a book.", "What day follows Monday?", "Describe the ocean.", "Is 7 prime?",
-    "Name an animal that flies.", "What is your favourite number?", "Translate 'chat' from French.",
+    "Describe a cat.",
+    "What is 2+2?",
+    "Name a color.",
+    "Is the sky green?",
+    "Rate the movie Alien.",
+    "Give me a fruit.",
+    "Tell me about Paris.",
+    "How many legs has a spider?",
+    "Pick a random word.",
+    "Is water wet?",
+    "What is the capital of Japan?",
+    "Summarize: the quick brown fox.",
+    "Say hello.",
+    "Recommend a book.",
+    "What day follows Monday?",
+    "Describe the ocean.",
+    "Is 7 prime?",
+    "Name an animal that flies.",
+    "What is your favourite number?",
+    "Translate 'chat' from French.",
 ]
-REVIEW = {"type": "object",
-          "properties": {"topic": {"type": "string", "maxLength": 40},
-                         "sentiment": {"enum": ["positive", "neutral", "negative"]},
-                         "score": {"type": "integer", "minimum": 1, "maximum": 10},
-                         "facts": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 3}},
-          "required": ["topic", "sentiment", "score", "facts"], "additionalProperties": False}
+REVIEW = {
+    "type": "object",
+    "properties": {
+        "topic": {"type": "string", "maxLength": 40},
+        "sentiment": {"enum": ["positive", "neutral", "negative"]},
+        "score": {"type": "integer", "minimum": 1, "maximum": 10},
+        "facts": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 3},
+    },
+    "required": ["topic", "sentiment", "score", "facts"],
+    "additionalProperties": False,
+}
 
 
 @pytest.mark.slow
 def test_smollm2_json_schema_on_twenty_prompts(smol_engine):
     c = Constraint.json_schema(REVIEW)
     prompts = [_prompt(smol_engine, p + " Answer in JSON.") for p in PROMPTS]
-    params = [SamplingParams(max_tokens=160, temperature=0.0 if i % 2 else 0.7, seed=i, constraint=c)
-              for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(max_tokens=160, temperature=0.0 if i % 2 else 0.7, seed=i, constraint=c)
+        for i in range(len(PROMPTS))
+    ]
     outs = list(smol_engine.generate(prompts, params))
     for o in outs:  # the guarantee: the reply matches unless max_tokens cut it short
         assert o.finish_reason in ("stop", "length"), o.finish_reason
@@ -173,19 +205,36 @@ def test_smollm2_forced_tool_calls_are_well_formed(smol_engine):
     from sidecar.structured import tool_call_constraint
     from sidecar.tool_calls import ToolCallParser
 
-    tools = [ToolSpec("get_weather", "Current weather in a city",
-                      {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                                        "unit": {"enum": ["celsius", "fahrenheit"]}},
-                       "required": ["city", "unit"]}),
-             ToolSpec("calculator", "Evaluate arithmetic",
-                      {"type": "object", "properties": {"expression": {"type": "string", "maxLength": 40}},
-                       "required": ["expression"]})]
+    tools = [
+        ToolSpec(
+            "get_weather",
+            "Current weather in a city",
+            {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 30},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+            },
+        ),
+        ToolSpec(
+            "calculator",
+            "Evaluate arithmetic",
+            {
+                "type": "object",
+                "properties": {"expression": {"type": "string", "maxLength": 40}},
+                "required": ["expression"],
+            },
+        ),
+    ]
     renderer = ChatRenderer(smol_engine.tokenizer, smol_engine.eos_token_ids)
     questions = PROMPTS[:6]
     prompts = [renderer.first_turn([{"role": "user", "content": q}], tools).token_ids for q in questions]
     c = tool_call_constraint(tools)
-    outs = smol_engine.generate(prompts, [SamplingParams(max_tokens=90, temperature=0.5, seed=i, constraint=c)
-                                          for i in range(len(prompts))])
+    outs = smol_engine.generate(
+        prompts, [SamplingParams(max_tokens=90, temperature=0.5, seed=i, constraint=c) for i in range(len(prompts))]
+    )
     for o in outs:
         parser = ToolCallParser()
         events = parser.feed(o.text) + parser.finish()

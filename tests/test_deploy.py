@@ -30,8 +30,13 @@ def render_python(overlay: str) -> list[dict]:
 def render_kubectl(overlay: str) -> list[dict] | None:
     if shutil.which("kubectl") is None:
         return None
-    out = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)], check=True, capture_output=True,
-                         text=True, timeout=120).stdout
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(K8S / "overlays" / overlay)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
 
@@ -53,8 +58,13 @@ def test_rendered_manifests_pass_strict_validation(rendered):
     import kubernetes_validate
 
     overlay, objs = rendered
-    assert set(objs) == {("ConfigMap", "chainkv-config"), ("Secret", "chainkv-secrets"), ("Deployment", "agent"),
-                         ("Service", "chainkv-redis"), ("StatefulSet", "chainkv-redis")}
+    assert set(objs) == {
+        ("ConfigMap", "chainkv-config"),
+        ("Secret", "chainkv-secrets"),
+        ("Deployment", "agent"),
+        ("Service", "chainkv-redis"),
+        ("StatefulSet", "chainkv-redis"),
+    }
     for (kind, name), obj in objs.items():
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)  # raises ValidationError
 
@@ -79,7 +89,9 @@ def test_native_sidecar_probes_resources_and_security(rendered):
         assert sidecar[probe]["grpc"] == {"port": 50051, "service": "chainkv.v1.Sidecar"}
     assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] != 0
     assert pod["enableServiceLinks"] is False  # no CHAINKV_PORT=tcp://... from a Service named chainkv
-    assert sidecar["securityContext"]["readOnlyRootFilesystem"] and sidecar["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert sidecar["securityContext"]["readOnlyRootFilesystem"] and sidecar["securityContext"]["capabilities"][
+        "drop"
+    ] == ["ALL"]
     env = {e["name"]: e["value"] for e in sidecar["env"]}
     assert env["CHAINKV_SNAPSHOT_HMAC_KEY_FILE"].startswith("/etc/chainkv/secrets/")
     limits = sidecar["resources"]["limits"]
@@ -112,8 +124,11 @@ def test_configured_settings_are_what_chainkv_reads(rendered, tmp_path):
     pod = objs[("Deployment", "agent")]["spec"]["template"]["spec"]
     (sidecar,) = pod["initContainers"]
     assert sidecar["args"] == ["serve", "--config", "/etc/chainkv/chainkv.yaml"]
-    env = {e["name"]: e["value"].replace("/etc/chainkv/secrets", str(tmp_path)) for e in sidecar["env"]
-           if e["name"].startswith("CHAINKV_")}
+    env = {
+        e["name"]: e["value"].replace("/etc/chainkv/secrets", str(tmp_path))
+        for e in sidecar["env"]
+        if e["name"].startswith("CHAINKV_")
+    }
     parser = build_parser()
     args = parser.parse_args(["serve", "--config", str(config)])
     apply_settings(args, parser, env)

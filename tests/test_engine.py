@@ -52,7 +52,9 @@ def test_streaming_with_full_budget_equals_dense(smol_engine, long_prompt):
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     dense = smol_engine.generate([long_prompt], params)[0]
     evicted = smol_engine.controller.evicted_tokens
-    full = smol_engine.generate([long_prompt], params, method=MethodSpec("streaming_llm", budget=len(long_prompt) + 64))[0]
+    full = smol_engine.generate(
+        [long_prompt], params, method=MethodSpec("streaming_llm", budget=len(long_prompt) + 64)
+    )[0]
     assert full.token_ids == dense.token_ids
     assert smol_engine.controller.evicted_tokens == evicted  # nothing evicted
 
@@ -101,14 +103,18 @@ def test_pool_for_two_runs_six(smol_engine):
 def test_sampling_controls(smol_engine):
     prompt = chat(smol_engine, "Tell me about the ocean.")
     greedy = smol_engine.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0].token_ids
-    top1 = smol_engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.8, top_k=1, seed=3, ignore_eos=True))[0]
+    top1 = smol_engine.generate(
+        [prompt], SamplingParams(max_tokens=10, temperature=0.8, top_k=1, seed=3, ignore_eos=True)
+    )[0]
     assert top1.token_ids == greedy
     hot = SamplingParams(max_tokens=10, temperature=1.5, seed=11, ignore_eos=True)
     a, b = smol_engine.generate([prompt, prompt], [hot, hot])
     assert a.token_ids == b.token_ids  # the same seed gives the same tokens in one batch
     c = smol_engine.generate([prompt], SamplingParams(max_tokens=10, temperature=1.5, seed=12, ignore_eos=True))[0]
     assert c.token_ids != a.token_ids
-    tiny_p = smol_engine.generate([prompt], SamplingParams(max_tokens=10, temperature=1.0, top_p=1e-6, seed=5, ignore_eos=True))[0]
+    tiny_p = smol_engine.generate(
+        [prompt], SamplingParams(max_tokens=10, temperature=1.0, top_p=1e-6, seed=5, ignore_eos=True)
+    )[0]
     assert tiny_p.token_ids == greedy
 
 

@@ -49,8 +49,12 @@ def serve(engine, body):
 
 
 def turn(tokens, max_tokens=4, new=False, spans=None) -> EngineTurn:
-    return EngineTurn(token_ids=list(tokens), params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                      spans=spans, new_session=new)
+    return EngineTurn(
+        token_ids=list(tokens),
+        params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        spans=spans,
+        new_session=new,
+    )
 
 
 async def finish(client, key, t: EngineTurn) -> tuple[list[int], TurnResult]:
@@ -108,12 +112,17 @@ def test_fork_prune_snapshot_load_and_end(engine):
         assert (await client.prune("p", PruneSpec(roles=("tool",), lag=3))).pruned_tokens == 0
         by_rule = await client.prune("p", PruneSpec(roles=("tool",), lag=2))
         assert by_rule.pruned_tokens == 20 and by_rule.removed > 0
-        assert [(r.start, r.end, r.policy, r.reason) for r in by_rule.session.prune_log] == [(10, 30, "drop", "request")]
+        assert [(r.start, r.end, r.policy, r.reason) for r in by_rule.session.prune_log] == [
+            (10, 30, "drop", "request")
+        ]
         one = await client.prune("p-child", PruneSpec(span=(0, 10), policy="drop"))
         assert one.pruned_tokens == 10 and one.session.prune_log[-1].policy == "drop"
-        for bad in (PruneSpec(span=(0, 10_000)), PruneSpec(span=(0, 10), scope="sideways"),
-                    PruneSpec(roles=("tool",), keep_ratio=float("nan")),
-                    PruneSpec(span=(0, 10), policy="keep_ratio")):  # this engine records no queries
+        for bad in (
+            PruneSpec(span=(0, 10_000)),
+            PruneSpec(span=(0, 10), scope="sideways"),
+            PruneSpec(roles=("tool",), keep_ratio=float("nan")),
+            PruneSpec(span=(0, 10), policy="keep_ratio"),
+        ):  # this engine records no queries
             with pytest.raises(PruneRuleError):
                 await client.prune("p", bad)
         snap = await client.snapshot("p")

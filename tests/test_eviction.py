@@ -65,15 +65,27 @@ def _spy(engine, spec):
 
     def after_prefill_chunk(layer, chunk):
         k, v, pos, _ = chunk.cache.gather(chunk.seq_id, layer)
-        seen["prefill"][layer] = dict(q=chunk.q.clone(), qpos=torch.arange(chunk.start, chunk.num_tokens), k=k.clone(),
-                                      v=v.clone(), pos=pos.clone())
+        seen["prefill"][layer] = dict(
+            q=chunk.q.clone(),
+            qpos=torch.arange(chunk.start, chunk.num_tokens),
+            k=k.clone(),
+            v=v.clone(),
+            pos=pos.clone(),
+        )
         seen["chunks"].setdefault(layer, []).append(seen["prefill"][layer])
         return orig_prefill(layer, chunk)
 
     def after_decode(layer, batch):
         k, v, pos, _ = batch.cache.gather(batch.seq_ids[0], layer)
-        seen["decode"].setdefault(layer, []).append(dict(q=batch.q[:1].clone(), qpos=torch.tensor([batch.num_tokens[0] - 1]), k=k.clone(),
-                                     v=v.clone(), pos=pos.clone()))
+        seen["decode"].setdefault(layer, []).append(
+            dict(
+                q=batch.q[:1].clone(),
+                qpos=torch.tensor([batch.num_tokens[0] - 1]),
+                k=k.clone(),
+                v=v.clone(),
+                pos=pos.clone(),
+            )
+        )
         return orig_decode(layer, batch)
 
     m.after_prefill_chunk, m.after_decode = after_prefill_chunk, after_decode
@@ -120,7 +132,9 @@ def snap(rec, w, kernel) -> torch.Tensor:
 
 def test_snapkv_rule(tiny_engine):
     w, kernel = 4, 3
-    seen, kept = _run(tiny_engine, MethodSpec("snapkv", budget=B, method_args={"window_size": w, "kernel_size": kernel}), 1)
+    seen, kept = _run(
+        tiny_engine, MethodSpec("snapkv", budget=B, method_args={"window_size": w, "kernel_size": kernel}), 1
+    )
     for layer, rec in seen["prefill"].items():
         s = snap(rec, w, kernel)
         for h in range(2):
@@ -129,9 +143,13 @@ def test_snapkv_rule(tiny_engine):
 
 def test_snapkv_window_spans_prefill_chunks(tiny_models):
     """Chunks of 20, 20 and 8 tokens: the 12-token window reaches back into the second chunk."""
-    engine = LLMEngine(EngineConfig(model=tiny_models("llama")[0], device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=20))
+    engine = LLMEngine(
+        EngineConfig(model=tiny_models("llama")[0], device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=20)
+    )
     w, kernel = 12, 3
-    seen, kept = _run(engine, MethodSpec("snapkv", budget=B + 8, method_args={"window_size": w, "kernel_size": kernel}), 3)
+    seen, kept = _run(
+        engine, MethodSpec("snapkv", budget=B + 8, method_args={"window_size": w, "kernel_size": kernel}), 3
+    )
     for layer, chunks in seen["chunks"].items():
         assert [len(c["q"]) for c in chunks] == [20, 20, 8]
         rec = dict(chunks[-1], q=torch.cat([c["q"] for c in chunks]), qpos=torch.arange(N))
@@ -142,7 +160,11 @@ def test_snapkv_window_spans_prefill_chunks(tiny_models):
 
 def test_pyramidkv_rule(tiny_engine):
     w, kernel, beta = 4, 3, 2
-    seen, kept = _run(tiny_engine, MethodSpec("pyramidkv", budget=B, method_args={"window_size": w, "kernel_size": kernel, "beta": beta}), 1)
+    seen, kept = _run(
+        tiny_engine,
+        MethodSpec("pyramidkv", budget=B, method_args={"window_size": w, "kernel_size": kernel, "beta": beta}),
+        1,
+    )
     # kvpress' PyramidKVPress: top layer B/beta, bottom 2B - B/beta, linear in between, window included
     lo, hi = B / beta, 2 * B - B / beta
     budgets = [round(hi - (hi - lo) * layer / 2) for layer in range(3)]
@@ -174,7 +196,7 @@ def test_adakv_rule(tiny_engine):
     uneven = False
     for layer, rec in seen["prefill"].items():
         s = torch.cat([snap(rec, w, kernel), torch.zeros(2, w)], 1)
-        s[:, N - w:] = 1e9  # the window is always kept
+        s[:, N - w :] = 1e9  # the window is always kept
         for h in range(2):
             s[h, s[h].topk(floor).indices] = 1e9  # the per-head safeguard
         flat = s.reshape(-1).topk(2 * B).indices
@@ -228,29 +250,38 @@ def short_engine(tiny_models):
     """The tiny model with max_model_len just above the prompt: its RoPE tables end before the
     future positions expected_attention averages over."""
     path, _ = tiny_models("llama")
-    return LLMEngine(EngineConfig(model=path, device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=256,
-                                  max_model_len=N + 8))
+    return LLMEngine(
+        EngineConfig(model=path, device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=256, max_model_len=N + 8)
+    )
 
 
 @pytest.mark.parametrize("engine_name", ["tiny_engine", "short_engine"])
 def test_expected_attention_rule(engine_name, request):
     n_future, n_sink = 16, 2
     engine = request.getfixturevalue(engine_name)
-    seen, kept = _run(engine, MethodSpec("expected_attention", budget=B, method_args={"n_future_positions": n_future, "n_sink": n_sink}), 1)
+    seen, kept = _run(
+        engine,
+        MethodSpec("expected_attention", budget=B, method_args={"n_future_positions": n_future, "n_sink": n_sink}),
+        1,
+    )
     # the rotation of positions N .. N + n_future, also those past max_model_len (the engine's tables)
     D = engine.model.rope_cos.shape[-1]
     cos, sin = rope_tables(engine.hf_config, D, N + n_future)
 
     def rope(x, p):  # rotate-half RoPE of row vectors x [.., D] at position p
-        return x * cos[p] + torch.cat([-x[..., D // 2:], x[..., : D // 2]], -1) * sin[p]
+        return x * cos[p] + torch.cat([-x[..., D // 2 :], x[..., : D // 2]], -1) * sin[p]
 
     # the average rotation over the next n_future positions, built from RoPE applied to a basis
     R = torch.stack([rope(torch.eye(D), p).T for p in range(N, N + n_future)]).mean(0)
     for layer, rec in seen["prefill"].items():
         q = rec["q"].float()[n_sink:]  # [n, Hq, D] after RoPE
         # undo RoPE: the inverse rotation is RoPE at the negative angle (cos, -sin)
-        pre = torch.stack([q[i] * cos[n_sink + i] - torch.cat([-q[i, :, D // 2:], q[i, :, : D // 2]], -1) * sin[n_sink + i]
-                           for i in range(q.shape[0])])
+        pre = torch.stack(
+            [
+                q[i] * cos[n_sink + i] - torch.cat([-q[i, :, D // 2 :], q[i, :, : D // 2]], -1) * sin[n_sink + i]
+                for i in range(q.shape[0])
+            ]
+        )
         assert torch.allclose(torch.stack([rope(pre[i], n_sink + i) for i in range(q.shape[0])]), q, atol=1e-5)
         mu = pre.mean(0)  # [Hq, D]
         cov = torch.einsum("nhd,nhe->hde", pre - mu, pre - mu) / pre.shape[0]
@@ -290,8 +321,13 @@ def test_pages_freed_and_budgets_add_up():
     n, budget = len(prompt), 48
     L, H, P = engine.shape.num_layers, engine.shape.num_kv_heads, engine.config.page_size
     names = ["h2o", "tova", "snapkv", "pyramidkv", "adakv", "keydiff", "expected_attention"]  # rkv: decode-time only
-    specs = {m: MethodSpec(m, budget=budget, method_args={"window_size": 8} if m in ("snapkv", "pyramidkv") else {}) for m in names}
-    specs["pyramidkv"].method_args["beta"] = 2  # beta 20 would keep B/20 < window in the top layer: kvpress then falls back to snapkv
+    specs = {
+        m: MethodSpec(m, budget=budget, method_args={"window_size": 8} if m in ("snapkv", "pyramidkv") else {})
+        for m in names
+    }
+    specs["pyramidkv"].method_args["beta"] = (
+        2  # beta 20 would keep B/20 < window in the top layer: kvpress then falls back to snapkv
+    )
     engine.controller.method_for(specs["adakv"]).scorer.params.window_size = 8  # its scorer's window, as snapkv's
     free_before = engine.pool.num_free
     ids = {m: engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True), method=specs[m]) for m in names}
@@ -302,7 +338,9 @@ def test_pages_freed_and_budgets_add_up():
         assert torch.equal(pages, (lengths + P - 1) // P), m  # pages in use = ceil(kept / page_size) per head
         if m == "pyramidkv":
             per_layer = lengths[:, 0]
-            assert bool((lengths == per_layer[:, None]).all()) and int(lengths.sum()) == H * sum(pyramid_budgets(L, budget, 8, n, 2))
+            assert bool((lengths == per_layer[:, None]).all()) and int(lengths.sum()) == H * sum(
+                pyramid_budgets(L, budget, 8, n, 2)
+            )
             assert int(per_layer[0]) > budget > int(per_layer[-1])  # falling from bottom to top
         elif m == "adakv":
             assert lengths.sum(1).eq(H * budget).all() and not bool(lengths.eq(budget).all())
@@ -332,10 +370,12 @@ def test_probabilities_only_when_asked(tiny_engine):
 
     backend.decode, backend.prefill = decode, prefill
     try:
-        for spec, expect in [(MethodSpec("dense"), {("prefill", 0), ("decode", False)}),
-                             (MethodSpec("keydiff", budget=B), {("prefill", 0), ("decode", False)}),
-                             (MethodSpec("snapkv", budget=B, method_args={"window_size": 8}), {("prefill", 8), ("decode", False)}),
-                             (MethodSpec("tova", budget=B), {("prefill", 1), ("decode", True)})]:
+        for spec, expect in [
+            (MethodSpec("dense"), {("prefill", 0), ("decode", False)}),
+            (MethodSpec("keydiff", budget=B), {("prefill", 0), ("decode", False)}),
+            (MethodSpec("snapkv", budget=B, method_args={"window_size": 8}), {("prefill", 8), ("decode", False)}),
+            (MethodSpec("tova", budget=B), {("prefill", 1), ("decode", True)}),
+        ]:
             calls.clear()
             tiny_engine.generate([list(range(1, N + 1))], SamplingParams(max_tokens=3, ignore_eos=True), method=spec)
             assert set(calls) == expect, spec.method
@@ -347,8 +387,23 @@ def test_probabilities_only_when_asked(tiny_engine):
 @pytest.mark.slow
 def test_generate_snapkv_on_the_command_line():
     text = haystack(40) + " What color is item 3?"
-    cmd = [sys.executable, "-m", "sidecar.cli", "generate", "--method", "snapkv", "--budget", "256", "--chat", "--json",
-           "--max-tokens", "8", "--num-pages", "8000", text]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sidecar.cli",
+        "generate",
+        "--method",
+        "snapkv",
+        "--budget",
+        "256",
+        "--chat",
+        "--json",
+        "--max-tokens",
+        "8",
+        "--num-pages",
+        "8000",
+        text,
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
@@ -372,7 +427,9 @@ def test_h2o_state_survives_a_snapshot(tiny_engine):
     """A session's accumulated H2O scores go into its snapshot and come back with it."""
     spec = MethodSpec("h2o", budget=B)
     m = tiny_engine.controller.method_for(spec)
-    tiny_engine.add_turn("h2o-session", list(range(1, N + 1)), SamplingParams(max_tokens=2, ignore_eos=True), method=spec)
+    tiny_engine.add_turn(
+        "h2o-session", list(range(1, N + 1)), SamplingParams(max_tokens=2, ignore_eos=True), method=spec
+    )
     while tiny_engine.has_unfinished():
         tiny_engine.step()
     state = m.state_dict("h2o-session")

@@ -31,7 +31,9 @@ def test_gpu_float32_logits_match_hf(tiny_models, arch):
     engine = _engine(path, dtype="float32")
     assert engine.backend.name == "triton" and engine.runner.graphs is not None
     prompt = torch.randint(0, 320, (300,), generator=torch.Generator().manual_seed(2)).tolist()
-    out = engine.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True, prompt_logits=True, return_logits=True))[0]
+    out = engine.generate(
+        [prompt], SamplingParams(max_tokens=20, ignore_eos=True, prompt_logits=True, return_logits=True)
+    )[0]
     hf = hf.to("cuda").float()
     with torch.no_grad():
         ref = hf(torch.tensor([prompt + out.token_ids], device="cuda")).logits[0].float().cpu()
@@ -43,7 +45,9 @@ def test_gpu_float32_logits_match_hf(tiny_models, arch):
 
 def test_gpu_graphs_equal_eager_bf16(tiny_models):
     path, _ = tiny_models("llama")
-    prompts = [torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 60, 130, 17)]
+    prompts = [
+        torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 60, 130, 17)
+    ]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     graphs = _engine(path).generate(prompts, params)
     eager = _engine(path, cuda_graphs=False).generate(prompts, params)
@@ -113,8 +117,9 @@ def test_gpu_second_turn_after_uneven_head_eviction(tiny_models, dtype):
     engines["cuda"].generate(padded, SamplingParams(max_tokens=8, ignore_eos=True))
     assert engines["cuda"].runner.graph_steps > 0
     if dtype == "float32":
-        engines["cpu"] = LLMEngine(EngineConfig(model=path, num_pages=8192, prefill_chunk_size=96,
-                                                max_num_batched_tokens=512))
+        engines["cpu"] = LLMEngine(
+            EngineConfig(model=path, num_pages=8192, prefill_chunk_size=96, max_num_batched_tokens=512)
+        )
     logits = {}
     for name, eng in engines.items():
         eng.add_turn("s", first, SamplingParams(max_tokens=1), method=spec)

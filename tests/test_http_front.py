@@ -12,10 +12,15 @@ import openai
 import pytest
 
 TOKENS = {"tok-alpha": "alpha", "tok-beta": "beta"}
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
-           "required": ["city"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
-                                           "parameters": WEATHER}}]
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "weather in a city", "parameters": WEATHER}}
+]
 FORCE = {"type": "function", "function": {"name": "get_weather"}}
 
 
@@ -87,8 +92,9 @@ def _complete(client, model, msgs, stream, **kw):
         r = client.chat.completions.create(model=model, messages=msgs, **kw)
         return r.choices[0].message.model_dump(exclude_none=True), r.usage
     text, calls, usage, finish = "", [], None, None
-    for ch in client.chat.completions.create(model=model, messages=msgs, stream=True,
-                                             stream_options={"include_usage": True}, **kw):
+    for ch in client.chat.completions.create(
+        model=model, messages=msgs, stream=True, stream_options={"include_usage": True}, **kw
+    ):
         if ch.usage is not None:
             assert not ch.choices  # the usage chunk is the last one and has no choices
             usage = ch.usage
@@ -129,28 +135,51 @@ def test_prompt_cache_key_names_the_session_and_a_changed_history_restarts_it(li
 
 
 def test_response_format_json_schema_validates(live):
-    schema = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99},
-                                               "why": {"type": "string", "maxLength": 20}},
-              "required": ["answer", "why"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "answer": {"type": "integer", "minimum": 0, "maximum": 99},
+            "why": {"type": "string", "maxLength": 20},
+        },
+        "required": ["answer", "why"],
+        "additionalProperties": False,
+    }
     c = live.client()
     for i in range(3):
         r = c.chat.completions.create(
-            model=live.model, messages=[{"role": "user", "content": f"a number please ({i})"}], max_tokens=80,
-            temperature=0.8, seed=i, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+            model=live.model,
+            messages=[{"role": "user", "content": f"a number please ({i})"}],
+            max_tokens=80,
+            temperature=0.8,
+            seed=i,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        )
         assert r.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
 def _responses_round_trip(c, model, stream: bool, previous: str | None = None):
-    kw = dict(model=model, tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER}],
-              max_output_tokens=96)
-    first = _respond(c, stream, input="Weather in Rome?", tool_choice={"type": "function", "name": "get_weather"},
-                     previous_response_id=previous, **kw)
+    kw = dict(
+        model=model, tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER}], max_output_tokens=96
+    )
+    first = _respond(
+        c,
+        stream,
+        input="Weather in Rome?",
+        tool_choice={"type": "function", "name": "get_weather"},
+        previous_response_id=previous,
+        **kw,
+    )
     calls = [o for o in first.output if o.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather"
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
-    second = _respond(c, stream, previous_response_id=first.id, **kw,
-                      input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"celsius": 20}'}])
+    second = _respond(
+        c,
+        stream,
+        previous_response_id=first.id,
+        **kw,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"celsius": 20}'}],
+    )
     third = _respond(c, stream, previous_response_id=second.id, input="Thanks!", **kw)
     return [first, second, third]
 
@@ -211,8 +240,18 @@ def test_tenants_are_isolated(live):
     msgs = [{"role": "user", "content": "shared words"}]
     first = alpha.chat.completions.create(model=live.model, messages=msgs, max_tokens=5)
     msgs += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
-    assert beta.chat.completions.create(model=live.model, messages=msgs, max_tokens=5).usage.prompt_tokens_details.cached_tokens == 0
-    assert alpha.chat.completions.create(model=live.model, messages=msgs, max_tokens=5).usage.prompt_tokens_details.cached_tokens > 0
+    assert (
+        beta.chat.completions.create(
+            model=live.model, messages=msgs, max_tokens=5
+        ).usage.prompt_tokens_details.cached_tokens
+        == 0
+    )
+    assert (
+        alpha.chat.completions.create(
+            model=live.model, messages=msgs, max_tokens=5
+        ).usage.prompt_tokens_details.cached_tokens
+        > 0
+    )
 
 
 HOSTILE = [
@@ -223,24 +262,65 @@ HOSTILE = [
     (b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, "temperature"),
     (b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "top_p": Infinity}', 400, "top_p"),
     (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "n": 10**9}).encode(), 400, "n"),
-    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**12}).encode(), 400,
-     "max_tokens"),
-    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode(), 400,
-     "temperature"),
+    (
+        json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**12}).encode(),
+        400,
+        "max_tokens",
+    ),
+    (
+        json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode(),
+        400,
+        "temperature",
+    ),
     (json.dumps({"model": "M", "messages": [{"role": "wizard", "content": "x"}]}).encode(), 400, "messages"),
     (json.dumps({"model": "M", "messages": []}).encode(), 400, "messages"),
-    (json.dumps({"model": "M", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(), 400,
-     "messages[0]"),
+    (
+        json.dumps({"model": "M", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(),
+        400,
+        "messages[0]",
+    ),
     (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "tools": "all"}).encode(), 400, "tools"),
-    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}],
-                 "response_format": {"type": "json_schema", "json_schema": {"schema": "nope"}}}).encode(), 400,
-     "response_format"),
-    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
-                 "tool_choice": {"type": "function", "function": {"name": "missing"}}}).encode(), 400, None),
-    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}],
-                 "chainkv": {"method": "no-such-method"}}).encode(), 400, None),
-    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}],
-                 "chainkv": {"method": "snapkv", "budget": -5}}).encode(), 400, "chainkv"),
+    (
+        json.dumps(
+            {
+                "model": "M",
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_schema", "json_schema": {"schema": "nope"}},
+            }
+        ).encode(),
+        400,
+        "response_format",
+    ),
+    (
+        json.dumps(
+            {
+                "model": "M",
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": TOOLS,
+                "tool_choice": {"type": "function", "function": {"name": "missing"}},
+            }
+        ).encode(),
+        400,
+        None,
+    ),
+    (
+        json.dumps(
+            {"model": "M", "messages": [{"role": "user", "content": "x"}], "chainkv": {"method": "no-such-method"}}
+        ).encode(),
+        400,
+        None,
+    ),
+    (
+        json.dumps(
+            {
+                "model": "M",
+                "messages": [{"role": "user", "content": "x"}],
+                "chainkv": {"method": "snapkv", "budget": -5},
+            }
+        ).encode(),
+        400,
+        "chainkv",
+    ),
     (b'{"model": "M", "messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None),
     (b'{"model": "M", "messages": [{"role": "user", "content": "' + b"x" * (5 * 2**20) + b'"}]}', 413, None),
 ]
@@ -249,8 +329,12 @@ HOSTILE = [
 @pytest.mark.parametrize("raw, status, param", HOSTILE)
 def test_hostile_requests_get_openai_errors(live, raw, status, param):
     raw = raw.replace(b'"model": "M"', f'"model": "{live.model}"'.encode())
-    r = httpx.post(f"{live.url}/chat/completions", content=raw, timeout=60,
-                   headers={"Authorization": "Bearer tok-alpha", "Content-Type": "application/json"})
+    r = httpx.post(
+        f"{live.url}/chat/completions",
+        content=raw,
+        timeout=60,
+        headers={"Authorization": "Bearer tok-alpha", "Content-Type": "application/json"},
+    )
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
@@ -266,16 +350,23 @@ def test_auth_errors_and_the_server_keeps_serving(live):
     r = httpx.get(f"{live.url}/responses/resp_bm9wZQ.0", headers={"Authorization": "Bearer tok-alpha"}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
     assert live.client().models.list().data[0].id == live.model
-    ok = live.client().chat.completions.create(model=live.model, messages=[{"role": "user", "content": "ok?"}],
-                                               max_tokens=3)
+    ok = live.client().chat.completions.create(
+        model=live.model, messages=[{"role": "user", "content": "ok?"}], max_tokens=3
+    )
     assert ok.usage.completion_tokens >= 1
 
 
 def test_a_stream_closed_early_releases_its_session(live):
     c = live.client()
     msgs = [{"role": "user", "content": "long story"}]
-    with c.chat.completions.create(model=live.model, messages=msgs, max_tokens=400, stream=True,
-                                   prompt_cache_key="dropped", extra_body={"ignore_eos": True}) as s:
+    with c.chat.completions.create(
+        model=live.model,
+        messages=msgs,
+        max_tokens=400,
+        stream=True,
+        prompt_cache_key="dropped",
+        extra_body={"ignore_eos": True},
+    ) as s:
         next(iter(s))
     for _ in range(20):  # the same session takes a turn at once (the dropped turn was rolled back)
         try:
@@ -297,13 +388,18 @@ def test_responses_resume_after_a_restart_on_the_same_store(engine, store_dir, l
     c = live.client()
     first = c.responses.create(model=live.model, input="remember me", max_output_tokens=6)
     assert live.thread.run(live.thread.server.writer.flush(30))
-    other = Live(LLMEngine(EngineConfig(model=str(engine.model_dir), num_pages=6000, prefill_chunk_size=128,
-                                        max_model_len=4096)), open_store(str(store_dir)))
+    other = Live(
+        LLMEngine(
+            EngineConfig(model=str(engine.model_dir), num_pages=6000, prefill_chunk_size=128, max_model_len=4096)
+        ),
+        open_store(str(store_dir)),
+    )
     try:
         c2 = other.client()
         assert c2.responses.retrieve(first.id).output_text == first.output_text
-        nxt = c2.responses.create(model=other.model, input="and now?", previous_response_id=first.id,
-                                  max_output_tokens=6)
+        nxt = c2.responses.create(
+            model=other.model, input="and now?", previous_response_id=first.id, max_output_tokens=6
+        )
         assert nxt.usage.input_tokens_details.cached_tokens > 0
     finally:
         other.stop()
@@ -320,9 +416,12 @@ def test_langchain_chat_openai_tools_structured_output_and_cache(live):
         answer: int = Field(ge=0, le=9)
         sure: bool
 
-    llm = lc.ChatOpenAI(base_url=live.url, api_key="tok-alpha", model=live.model, max_tokens=96, max_retries=0,
-                        stream_usage=True)
-    msg = llm.bind_tools(TOOLS, tool_choice="get_weather").invoke("Weather in Oslo?")  # (a random model needs maxLength)
+    llm = lc.ChatOpenAI(
+        base_url=live.url, api_key="tok-alpha", model=live.model, max_tokens=96, max_retries=0, stream_usage=True
+    )
+    msg = llm.bind_tools(TOOLS, tool_choice="get_weather").invoke(
+        "Weather in Oslo?"
+    )  # (a random model needs maxLength)
     assert len(msg.tool_calls) == 1 and msg.tool_calls[0]["name"] == "get_weather"
     assert isinstance(msg.tool_calls[0]["args"].get("city"), str)
     parsed = llm.with_structured_output(Answer, method="json_schema").invoke("Pick a digit.")
@@ -351,9 +450,30 @@ def test_chainkv_serve_http_port_serves_both_fronts(tiny_chat_dir, tmp_path):
     from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
 
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "sidecar.cli", "serve", "--port", "0", "--http-port", "0", "--device", "cpu",
-           "--model", tiny_chat_dir, "--store", str(tmp_path / "store"), "--num-pages", "3000",
-           "--max-model-len", "2048", "--log-level", "WARNING", "--auth-token", "tok-alpha=alpha"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sidecar.cli",
+        "serve",
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        "--device",
+        "cpu",
+        "--model",
+        tiny_chat_dir,
+        "--store",
+        str(tmp_path / "store"),
+        "--num-pages",
+        "3000",
+        "--max-model-len",
+        "2048",
+        "--log-level",
+        "WARNING",
+        "--auth-token",
+        "tok-alpha=alpha",
+    ]
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ports: dict[str, int] = {}
@@ -372,13 +492,17 @@ def test_chainkv_serve_http_port_serves_both_fronts(tiny_chat_dir, tmp_path):
         assert ready.wait(300), "the server did not start"
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="tok-alpha", max_retries=0)
         model = c.models.list().data[0].id
-        r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                      prompt_cache_key="both-fronts")
+        r = c.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, prompt_cache_key="both-fronts"
+        )
         assert r.usage.completion_tokens >= 1
         # the HTTP session is the tenant's gRPC session pck-both-fronts
         stub = sidecar_pb2_grpc.SidecarStub(grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}"))
-        info = stub.GetSession(pb.GetSessionRequest(session_id="pck-both-fronts"), timeout=60,
-                               metadata=[("authorization", "Bearer tok-alpha")])
+        info = stub.GetSession(
+            pb.GetSessionRequest(session_id="pck-both-fronts"),
+            timeout=60,
+            metadata=[("authorization", "Bearer tok-alpha")],
+        )
         assert info.turn_index == 1
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -30,8 +30,9 @@ def replicas(tiny_chat_dir, redis_proc):
     from sidecar.store import RedisStore
 
     def replica():
-        engine = LLMEngine(EngineConfig(model=tiny_chat_dir, num_pages=6000, prefill_chunk_size=128,
-                                        max_model_len=4096))
+        engine = LLMEngine(
+            EngineConfig(model=tiny_chat_dir, num_pages=6000, prefill_chunk_size=128, max_model_len=4096)
+        )
         return Live(engine, RedisStore(redis_proc.url))
 
     a, b = replica(), replica()
@@ -50,8 +51,9 @@ def test_chat_completions_turns_alternate_between_replicas(replicas, stream):
     a, b = replicas
     key = f"replicas-chat-{stream}"
     msgs = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Oslo?"}]
-    reply, u1 = _complete(a.client(), a.model, msgs, stream, tools=TOOLS, tool_choice=FORCE, max_tokens=96,
-                          prompt_cache_key=key)
+    reply, u1 = _complete(
+        a.client(), a.model, msgs, stream, tools=TOOLS, tool_choice=FORCE, max_tokens=96, prompt_cache_key=key
+    )
     call = reply["tool_calls"][0]
     assert call["function"]["name"] == "get_weather"
     jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER)
@@ -71,13 +73,25 @@ def test_chat_completions_turns_alternate_between_replicas(replicas, stream):
 def test_responses_previous_response_id_resolves_on_the_other_replica(replicas, stream):
     a, b = replicas
     kw = dict(tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER}], max_output_tokens=96)
-    first = _respond(a.client(), stream, model=a.model, input="Weather in Rome?",
-                     tool_choice={"type": "function", "name": "get_weather"}, **kw)
+    first = _respond(
+        a.client(),
+        stream,
+        model=a.model,
+        input="Weather in Rome?",
+        tool_choice={"type": "function", "name": "get_weather"},
+        **kw,
+    )
     calls = [o for o in first.output if o.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather"
     _flush(a)
-    second = _respond(b.client(), stream, model=b.model, previous_response_id=first.id, **kw,
-                      input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"celsius": 20}'}])
+    second = _respond(
+        b.client(),
+        stream,
+        model=b.model,
+        previous_response_id=first.id,
+        **kw,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"celsius": 20}'}],
+    )
     _flush(b)
     third = _respond(a.client(), stream, model=a.model, previous_response_id=second.id, input="Thanks!", **kw)
     for before, r in ((first, second), (second, third)):

@@ -115,9 +115,12 @@ def _under(module: str, prefix: str) -> bool:
 
 def test_engine_layers_point_down():
     graph = import_graph(["engine"])
-    bad = [f"{a} -> {b}" for a, b in graph.edges()
-           for prefix, allowed in LAYER_RULES.items()
-           if _under(a, prefix) and not any(_under(b, p) for p in allowed)]
+    bad = [
+        f"{a} -> {b}"
+        for a, b in graph.edges()
+        for prefix, allowed in LAYER_RULES.items()
+        if _under(a, prefix) and not any(_under(b, p) for p in allowed)
+    ]
     assert not bad, "imports against the layer rules:\n" + "\n".join(sorted(bad))
 
 

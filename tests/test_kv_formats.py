@@ -46,8 +46,14 @@ def read(mgr, seq, layer):
 # kivi without a residual window (only the open page is full precision), so that sealed pages are
 # exercised on short sequences; the window has its own tests below
 K0 = (("residual_length", 0),)
-FORMATS = [("plain", ()), ("fp8", ()), ("fp8", (("fp8", "e5m2"),)), ("kivi", (("bits", 4),) + K0), ("kivi", (("bits", 2),) + K0),
-           ("kivi", (("bits", 2), ("residual_length", 24)))]
+FORMATS = [
+    ("plain", ()),
+    ("fp8", ()),
+    ("fp8", (("fp8", "e5m2"),)),
+    ("kivi", (("bits", 4),) + K0),
+    ("kivi", (("bits", 2),) + K0),
+    ("kivi", (("bits", 2), ("residual_length", 24))),
+]
 
 
 @pytest.mark.parametrize("fmt,args", FORMATS)
@@ -65,7 +71,7 @@ def test_round_trip_within_quantization_error(fmt, args):
     if fmt == "kivi":  # the open page and the pages holding the last R tokens are full precision; sealed pages are not
         R = dict(args)["residual_length"]
         exact = 40 - (40 - R) // P * P  # R = 0: the open page (8 tokens); R = 24: pages 1-2 (24 tokens)
-        assert torch.equal(rk[40 - exact:], k[40 - exact:]) and torch.equal(rv[40 - exact:], v[40 - exact:])
+        assert torch.equal(rk[40 - exact :], k[40 - exact :]) and torch.equal(rv[40 - exact :], v[40 - exact :])
         assert not torch.equal(rk[:16], k[:16])
         tables = mgr.tables[mgr.slot("a")].flatten()
         assert pool.format.num_open(tables[tables >= 0]) == L * H * (1 if not R else 2)
@@ -87,7 +93,9 @@ def test_kivi_rule_keys_per_channel_values_per_token():
     assert int(rk[:, 0, 9].unique().numel()) <= 4
 
 
-@pytest.mark.parametrize("fmt,args,ratio", [("fp8", (), 0.55), ("kivi", (("bits", 2),), 0.3), ("kivi", (("bits", 4),), 0.45)])
+@pytest.mark.parametrize(
+    "fmt,args,ratio", [("fp8", (), 0.55), ("kivi", (("bits", 2),), 0.3), ("kivi", (("bits", 4),), 0.45)]
+)
 def test_storage_is_really_smaller(fmt, args, ratio):
     """The accounting is the bytes of the tensors the format really allocated, and a quantized
     page costs a fraction of a bf16 page."""

@@ -43,9 +43,11 @@ def test_full_budget_equals_dense(smol_engine):
     orig = m.after_scoring
     m.after_scoring = lambda seq: (passes.append(seq.seq_id), orig(seq))[1]
     evicted = smol_engine.controller.evicted_tokens
-    ids = {"dense": smol_engine.add_request(prompt, params),
-           "kvzip": smol_engine.add_request(prompt, params, method=MethodSpec("kvzip", budget=budget)),
-           "forced": smol_engine.add_request(prompt, params, method=forced)}
+    ids = {
+        "dense": smol_engine.add_request(prompt, params),
+        "kvzip": smol_engine.add_request(prompt, params, method=MethodSpec("kvzip", budget=budget)),
+        "forced": smol_engine.add_request(prompt, params, method=forced),
+    }
     outs = _run_all(smol_engine, ids.values())
     assert len(outs[ids["dense"]]) == 32
     assert outs[ids["kvzip"]] == outs[ids["dense"]]
@@ -61,8 +63,11 @@ N, B, SINK, CHUNK = 48, 16, 4, 20
 @pytest.fixture(scope="module")
 def tiny(tiny_models):
     path, hf = tiny_models("llama")  # 3 layers, 4 query heads, 2 kv-heads, head_dim 16
-    engine = LLMEngine(EngineConfig(model=path, device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=16,
-                                    max_num_batched_tokens=64))
+    engine = LLMEngine(
+        EngineConfig(
+            model=path, device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=16, max_num_batched_tokens=64
+        )
+    )
     return engine, hf
 
 
@@ -71,8 +76,10 @@ def _prompt():
 
 
 def _kept_positions(engine, rid):
-    return [[sorted(int(p) for p in row if p >= 0) for row in engine.manager.gather(rid, layer)[2]]
-            for layer in range(engine.shape.num_layers)]
+    return [
+        [sorted(int(p) for p in row if p >= 0) for row in engine.manager.gather(rid, layer)[2]]
+        for layer in range(engine.shape.num_layers)
+    ]
 
 
 def test_kvzip_rule(tiny):
@@ -151,7 +158,7 @@ def test_chain_session_turns_reconstruct_the_whole_history(tiny):
         while engine.has_unfinished():
             engine.step()
         assert engine.manager.seq_lengths(sid).eq(B + 3).all()  # the budget, then 3 decoded tokens cached
-    assert len(seen) == 2 and seen[1][: N] == _prompt() and len(seen[1]) == N + 4 + 8
+    assert len(seen) == 2 and seen[1][:N] == _prompt() and len(seen[1]) == N + 4 + 8
     engine.end_session(sid)
 
 
@@ -159,8 +166,11 @@ def test_pool_too_small_for_the_pass_keeps_everything(tiny_models, caplog):
     """No room for a reconstruction segment: the pass is skipped (with a warning), nothing is
     evicted, and the sequence carries on uncompressed."""
     path, _ = tiny_models("llama")
-    engine = LLMEngine(EngineConfig(model=path, device="cpu", num_pages=90, page_size=4, prefill_chunk_size=16,
-                                    max_num_batched_tokens=64))  # the context takes 72 pages, a segment 30
+    engine = LLMEngine(
+        EngineConfig(
+            model=path, device="cpu", num_pages=90, page_size=4, prefill_chunk_size=16, max_num_batched_tokens=64
+        )
+    )  # the context takes 72 pages, a segment 30
     spec = MethodSpec("kvzip", budget=B, method_args={"chunk_size": CHUNK})
     rid = engine.add_request(_prompt(), SamplingParams(max_tokens=2, ignore_eos=True), method=spec)
     with caplog.at_level("WARNING", logger="engine.runner"):

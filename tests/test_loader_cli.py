@@ -58,7 +58,9 @@ def test_config_vocabulary_is_one(tmp_path):
         EngineConfig(page_size=12)
     yaml_file = tmp_path / "engine.yaml"
     yaml_file.write_text("method: streaming_llm\nbudget: 128\nmethod_args: {n_sink: 8}\npage_size: 32\n")
-    args = build_parser().parse_args(["generate", "--config", str(yaml_file), "--budget", "256", "--method-arg", "n_sink=2", "hi"])
+    args = build_parser().parse_args(
+        ["generate", "--config", str(yaml_file), "--budget", "256", "--method-arg", "n_sink=2", "hi"]
+    )
     cfg = engine_config_from_args(args)
     assert (cfg.method, cfg.budget, cfg.page_size, cfg.method_args) == ("streaming_llm", 256, 32, {"n_sink": "2"})
     # every EngineConfig field is a flag of the same name
@@ -68,7 +70,9 @@ def test_config_vocabulary_is_one(tmp_path):
 
 @pytest.mark.slow  # a subprocess
 def test_generate_help_lists_methods():
-    out = subprocess.run([sys.executable, "-m", "sidecar.cli", "generate", "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "generate", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     from engine.methods import REGISTRY
 
     for name in REGISTRY:
@@ -78,8 +82,19 @@ def test_generate_help_lists_methods():
 
 @pytest.mark.slow
 def test_generate_json_on_smollm2():
-    cmd = [sys.executable, "-m", "sidecar.cli", "generate", "--chat", "--json", "--max-tokens", "12",
-           "--num-pages", "4000", "What is the capital of France?"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sidecar.cli",
+        "generate",
+        "--chat",
+        "--json",
+        "--max-tokens",
+        "12",
+        "--num-pages",
+        "4000",
+        "What is the capital of France?",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
@@ -89,6 +104,10 @@ def test_generate_json_on_smollm2():
 
 @pytest.mark.slow  # a subprocess
 def test_generate_reports_bad_method():
-    res = subprocess.run([sys.executable, "-m", "sidecar.cli", "generate", "--method", "nope", "--num-pages", "100", "x"],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "generate", "--method", "nope", "--num-pages", "100", "x"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 2 and "unknown method 'nope'" in res.stderr

@@ -15,8 +15,16 @@ from engine.config import EngineConfig
 from engine.lifecycle import MethodError, MethodSpec, ModelShape, SparseMethod
 from engine.methods import REGISTRY, create_method, register
 
-SHAPE = ModelShape(num_layers=24, num_heads=4, num_kv_heads=2, head_dim=32, page_size=4,
-                   rope_cos=torch.ones(64, 32), rope_sin=torch.zeros(64, 32), device=torch.device("cpu"))
+SHAPE = ModelShape(
+    num_layers=24,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    page_size=4,
+    rope_cos=torch.ones(64, 32),
+    rope_sin=torch.zeros(64, 32),
+    device=torch.device("cpu"),
+)
 
 
 def test_every_method_module_registers_its_method():
@@ -41,6 +49,7 @@ def test_a_taken_name_is_refused():
 
 def test_method_spec_and_engine_config_name_the_method_alike():
     """MethodSpec is the per-request form of EngineConfig's method fields: same names, same defaults."""
+
     def default(f):
         return f.default_factory() if f.default is dataclasses.MISSING else f.default
 

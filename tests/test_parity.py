@@ -48,7 +48,7 @@ def test_smollm2_greedy_equals_hf_generate(smol_engine, smollm2_hf):
     prompt = chat(smol_engine, "Write a short story about a robot who learns to paint.")
     out = smol_engine.generate([prompt], SamplingParams(max_tokens=40))[0]
     with torch.no_grad():
-        ref = smollm2_hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, len(prompt):].tolist()
+        ref = smollm2_hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, len(prompt) :].tolist()
     assert len(out.token_ids) >= 32
     assert out.token_ids == ref[: len(out.token_ids)]
     assert out.text.strip()

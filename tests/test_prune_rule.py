@@ -12,10 +12,17 @@ from engine.config import ConfigError, EngineConfig
 from engine.prune_rule import PruneRuleError, check_policy, check_settings, check_span, due_spans
 
 
-@pytest.mark.parametrize("policy, keep_ratio, scope", [
-    ("zap", None, None), (None, -0.1, None), (None, 1.5, None), (None, math.nan, None), (None, None, "?"),
-    ("keep_ratio", math.inf, "per_head"),
-])
+@pytest.mark.parametrize(
+    "policy, keep_ratio, scope",
+    [
+        ("zap", None, None),
+        (None, -0.1, None),
+        (None, 1.5, None),
+        (None, math.nan, None),
+        (None, None, "?"),
+        ("keep_ratio", math.inf, "per_head"),
+    ],
+)
 def test_bad_policies_are_refused(policy, keep_ratio, scope):
     with pytest.raises(PruneRuleError):
         check_policy(policy, keep_ratio, scope)
@@ -38,16 +45,26 @@ def test_settings_are_checked_and_the_config_reports_them_as_config_errors():
     for bad in ((-1, None, 32), (None, 0, 32), (None, None, 0)):
         with pytest.raises(PruneRuleError):
             check_settings(*bad)
-    for field, value in (("prune_lag", -1), ("prune_policy", "zap"), ("prune_keep_ratio", 2.0), ("prune_scope", "x"),
-                         ("prune_trigger_tokens", 0), ("prune_window", 0)):
+    for field, value in (
+        ("prune_lag", -1),
+        ("prune_policy", "zap"),
+        ("prune_keep_ratio", 2.0),
+        ("prune_scope", "x"),
+        ("prune_trigger_tokens", 0),
+        ("prune_window", 0),
+    ):
         with pytest.raises(ConfigError, match=field):
             EngineConfig(**{field: value})
 
 
 def test_due_spans_by_role_age_and_size_lazily():
-    spans = [TaggedSpan(0, 10, "system", turn=0), TaggedSpan(10, 40, "tool", turn=0),
-             TaggedSpan(40, 45, "tool", turn=2), TaggedSpan(45, 200, "tool", turn=3),
-             TaggedSpan(200, 260, "tool", turn=1, pruned=True)]
+    spans = [
+        TaggedSpan(0, 10, "system", turn=0),
+        TaggedSpan(10, 40, "tool", turn=0),
+        TaggedSpan(40, 45, "tool", turn=2),
+        TaggedSpan(45, 200, "tool", turn=3),
+        TaggedSpan(200, 260, "tool", turn=1, pruned=True),
+    ]
     assert list(due_spans(spans, 3, ["tool"], lag=2)) == [(10, 40, "lag")]
     assert list(due_spans(spans, 3, ["tool"], trigger_tokens=100)) == [(45, 200, "trigger")]
     assert list(due_spans(spans, 3, ["tool", "system"], lag=3)) == [(0, 10, "lag"), (10, 40, "lag")]

@@ -15,8 +15,28 @@ pytestmark = pytest.mark.slow
 
 def test_quality_report_runs_both_agreement_modes(tmp_path):
     out = tmp_path / "q.json"
-    quality.main(["--methods", "quest,h2o", "--budgets", "0.25", "--samples", "2", "--context", "200",
-                  "--segments", "2", "--kl-context", "160", "--continuation", "12", "--batch", "2", "--out", str(out)])
+    quality.main(
+        [
+            "--methods",
+            "quest,h2o",
+            "--budgets",
+            "0.25",
+            "--samples",
+            "2",
+            "--context",
+            "200",
+            "--segments",
+            "2",
+            "--kl-context",
+            "160",
+            "--continuation",
+            "12",
+            "--batch",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     d = json.loads(out.read_text())
     pk = {r["method"]: r for r in d["passkey"]["rows"]}
     assert set(pk) == {"dense", "quest", "h2o"} and all(r["samples"] == 2 for r in pk.values())

@@ -23,14 +23,30 @@ from tests.conftest import run_turn  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 # kivi with a short residual window (R = 32), so that most of the 150-token prompt is read quantized
-CASES = [("kivi", {"bits": 2, "value_group": 16, "residual_length": 32}),
-         ("kivi", {"bits": 4, "value_group": 16, "residual_length": 32}), ("fp8", {})]
+CASES = [
+    ("kivi", {"bits": 2, "value_group": 16, "residual_length": 32}),
+    ("kivi", {"bits": 4, "value_group": 16, "residual_length": 32}),
+    ("fp8", {}),
+]
 
 
 def _engine(path, device, method="dense", args=None, **kw):
-    return LLMEngine(EngineConfig(model=path, device=device, dtype="float32", method=method, method_args=args or {},
-                                  num_pages=4096, page_size=16, prefill_chunk_size=64, max_num_batched_tokens=256,
-                                  max_num_seqs=4, max_cached_seqs=8, **kw))
+    return LLMEngine(
+        EngineConfig(
+            model=path,
+            device=device,
+            dtype="float32",
+            method=method,
+            method_args=args or {},
+            num_pages=4096,
+            page_size=16,
+            prefill_chunk_size=64,
+            max_num_batched_tokens=256,
+            max_num_seqs=4,
+            max_cached_seqs=8,
+            **kw,
+        )
+    )
 
 
 @pytest.mark.parametrize("method,args", CASES)
@@ -51,7 +67,9 @@ def test_gpu_dequantized_attention_matches_the_cpu_reference(tiny_models, method
     assert same_format < 0.1 * quant_error, (same_format, quant_error)
 
 
-@pytest.mark.parametrize("method,args,ratio", [("fp8", {}, 0.55), ("kivi", {"bits": 2}, 0.3), ("kivi", {"bits": 4}, 0.45)])
+@pytest.mark.parametrize(
+    "method,args,ratio", [("fp8", {}, 0.55), ("kivi", {"bits": 2}, 0.3), ("kivi", {"bits": 4}, 0.45)]
+)
 def test_gpu_pool_memory_is_really_smaller(method, args, ratio):
     """Device memory the pool allocates, measured by the CUDA allocator, is its accounting and a
     fraction of a bf16 pool's (Llama-3 shapes: head_dim 128, 32-token pages)."""
@@ -62,7 +80,9 @@ def test_gpu_pool_memory_is_really_smaller(method, args, ratio):
         torch.cuda.empty_cache()
         before = torch.cuda.memory_allocated(dev)
         fmt = make_format(name, a, 32, 128, torch.bfloat16)
-        pool = PagePool(20000, 32, 128, torch.bfloat16, dev, format=fmt, max_open_pages=1025)  # 32 sequences x 32 layers
+        pool = PagePool(
+            20000, 32, 128, torch.bfloat16, dev, format=fmt, max_open_pages=1025
+        )  # 32 sequences x 32 layers
         torch.cuda.synchronize()
         return pool, torch.cuda.memory_allocated(dev) - before
 

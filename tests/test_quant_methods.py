@@ -34,25 +34,36 @@ pytestmark = pytest.mark.slow
 N_TOKENS = 64
 GREEDY = SamplingParams(max_tokens=6)
 AGREEMENT_PROMPT = [{"role": "user", "content": "Explain photosynthesis to a ten-year-old in one paragraph."}]
-SYSTEM = ("You are a helpful assistant. Here is the design note of the project the user asks about.\n\n"
-          "chainkv is a sparse-first LLM inference engine packaged as an agent-runtime sidecar. An agent framework "
-          "talks to it over gRPC, one long-lived session per agent run. The sidecar keeps that session's KV cache "
-          "alive across turns (the Chain Cache), shrinks it with one of many sparse methods (physically: freed pages "
-          "go back to the pool and let more sessions share the GPU), prunes old tool-call output from the cached "
-          "history (Prefix-Cache Pruning), and snapshots the session to Redis so any replica can resume it. "
-          "A PagePool per layer holds K and V pages in the model dtype, or a quantized layout with scales for KIVI "
-          "and FP8 methods. Every (sequence, layer, kv-head) owns its own page list and length. Eviction compacts "
-          "each head and returns the freed pages to the pool. Fork shares pages copy-on-write; snapshot and restore "
-          "move a session's physical KV plus method state to and from host memory. Sessions move between tiers: "
-          "active, idle on the GPU, host RAM, the store, and gone, in which case they are rebuilt by re-prefilling "
-          "their token history. The session store is Redis in production and a local directory by default. "
-          "Chunks are written first, then the metadata is committed by a Lua script that checks the generation.")
+SYSTEM = (
+    "You are a helpful assistant. Here is the design note of the project the user asks about.\n\n"
+    "chainkv is a sparse-first LLM inference engine packaged as an agent-runtime sidecar. An agent framework "
+    "talks to it over gRPC, one long-lived session per agent run. The sidecar keeps that session's KV cache "
+    "alive across turns (the Chain Cache), shrinks it with one of many sparse methods (physically: freed pages "
+    "go back to the pool and let more sessions share the GPU), prunes old tool-call output from the cached "
+    "history (Prefix-Cache Pruning), and snapshots the session to Redis so any replica can resume it. "
+    "A PagePool per layer holds K and V pages in the model dtype, or a quantized layout with scales for KIVI "
+    "and FP8 methods. Every (sequence, layer, kv-head) owns its own page list and length. Eviction compacts "
+    "each head and returns the freed pages to the pool. Fork shares pages copy-on-write; snapshot and restore "
+    "move a session's physical KV plus method state to and from host memory. Sessions move between tiers: "
+    "active, idle on the GPU, host RAM, the store, and gone, in which case they are rebuilt by re-prefilling "
+    "their token history. The session store is Redis in production and a local directory by default. "
+    "Chunks are written first, then the metadata is committed by a Lua script that checks the generation."
+)
 QUESTION = "Explain in a few sentences what the Chain Cache is and where sessions are snapshotted."
 
 
 def engine_for(method: str, **args) -> LLMEngine:
-    return LLMEngine(EngineConfig(method=method, method_args=args, num_pages=6000, max_num_seqs=4, max_cached_seqs=8,
-                                  prefill_chunk_size=128, max_num_batched_tokens=1024))
+    return LLMEngine(
+        EngineConfig(
+            method=method,
+            method_args=args,
+            num_pages=6000,
+            max_num_seqs=4,
+            max_cached_seqs=8,
+            prefill_chunk_size=128,
+            max_num_batched_tokens=1024,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +115,10 @@ def agreement_with_dense(engine, reference, name: str) -> tuple[float, torch.Ten
     """Top-1 agreement with the dense tokens, per-step KL(dense || engine), free-running prefix."""
     ids, tokens, dense_logits = reference
     agree, kl, prefix = agreement(dense_logits, forced_decode(engine, ids, tokens), tokens)
-    print(f"\n{name}: top-1 agreement {agree:.4f} over {len(tokens)} tokens ({len(ids)} prompt tokens), "
-          f"KL(dense||{name}) mean {kl.mean():.4f} max {kl.max():.4f}, free-running identical for the first {prefix} tokens")
+    print(
+        f"\n{name}: top-1 agreement {agree:.4f} over {len(tokens)} tokens ({len(ids)} prompt tokens), "
+        f"KL(dense||{name}) mean {kl.mean():.4f} max {kl.max():.4f}, free-running identical for the first {prefix} tokens"
+    )
     return agree, kl, prefix
 
 
@@ -151,9 +164,11 @@ def test_multi_turn_session_reuses_kv_and_holds_fewer_bytes_per_token(name, rati
     per_token = engine.manager.kv_bytes("bytes") / tokens
     shape = engine.model_config
     bf16 = PagePool(1, engine.pool.page_size, shape.head_dim, torch.bfloat16, "cpu")
-    print(f"\n{name}: {per_token:.1f} B per cached token (per layer and kv-head) over {tokens // (30 * 3)} tokens per head; "
-          f"bf16 plain {bf16.bytes_per_token:.1f} B -> {per_token / bf16.bytes_per_token:.3f}x; "
-          f"pool capacity cost {engine.pool.bytes_per_token:.1f} B/token")
+    print(
+        f"\n{name}: {per_token:.1f} B per cached token (per layer and kv-head) over {tokens // (30 * 3)} tokens per head; "
+        f"bf16 plain {bf16.bytes_per_token:.1f} B -> {per_token / bf16.bytes_per_token:.3f}x; "
+        f"pool capacity cost {engine.pool.bytes_per_token:.1f} B/token"
+    )
     assert per_token <= ratio * bf16.bytes_per_token
     engine.end_session("bytes")
 
@@ -178,8 +193,10 @@ def test_kivi2_bytes_per_token_once_the_window_is_amortized(kivi2, dtype, tokens
     per_token = mgr.kv_bytes("long") / tokens
     bf16 = PagePool(1, P, D, torch.bfloat16, "cpu").bytes_per_token
     staged = f.num_open(mgr.tables[0, 0, : tokens // P].long())
-    print(f"\nkivi2 R={f.residual_length} {dtype}: {per_token:.1f} B per cached token over {tokens} tokens "
-          f"({staged} staged pages) -> {per_token / bf16:.3f}x of bf16")
+    print(
+        f"\nkivi2 R={f.residual_length} {dtype}: {per_token:.1f} B per cached token over {tokens} tokens "
+        f"({staged} staged pages) -> {per_token / bf16:.3f}x of bf16"
+    )
     assert staged == -(-f.residual_length // P)  # the window, and no more, is in full precision
     assert per_token <= 0.3 * bf16
 
@@ -254,11 +271,29 @@ def test_unsupported_combinations_are_clear_errors(kivi2, smol_engine):
 
 
 def test_cli_generate_and_help_list_the_quantization_methods():
-    help_text = subprocess.run([sys.executable, "-m", "sidecar.cli", "generate", "--help"], capture_output=True,
-                               text=True, check=True).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "generate", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     assert "kivi" in help_text and "bits=2" in help_text and "fp8=e4m3" in help_text
-    cmd = [sys.executable, "-m", "sidecar.cli", "generate", "--method", "kivi", "--method-arg", "bits=2", "--chat",
-           "--json", "--max-tokens", "8", "--num-pages", "2000", "--max-cached-seqs", "64", "What is the capital of France?"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sidecar.cli",
+        "generate",
+        "--method",
+        "kivi",
+        "--method-arg",
+        "bits=2",
+        "--chat",
+        "--json",
+        "--max-tokens",
+        "8",
+        "--num-pages",
+        "2000",
+        "--max-cached-seqs",
+        "64",
+        "What is the capital of France?",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
@@ -280,7 +315,9 @@ def test_sidecar_serves_a_kivi_session(kivi2, tmp_path):
             stub = sidecar_pb2_grpc.SidecarStub(channel)
 
             def turn(session, role, text, **kw):
-                req = pb.TurnRequest(session_id=session, messages=[pb.Message(role=role, content=text)], max_tokens=8, **kw)
+                req = pb.TurnRequest(
+                    session_id=session, messages=[pb.Message(role=role, content=text)], max_tokens=8, **kw
+                )
                 return list(stub.Turn(req))[-1].completion
 
             first = turn("s", "user", "Name three fruits.")

@@ -17,9 +17,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def chainkv(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CHAINKV_CACHE=os.environ.get("CHAINKV_CACHE", str(Path.home() / ".cache/chainkv")))
-    return subprocess.run([sys.executable, "-m", "sidecar.cli", *args], cwd=ROOT, env=env, input=stdin,
-                          capture_output=True, text=True, timeout=120)
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        CHAINKV_CACHE=os.environ.get("CHAINKV_CACHE", str(Path.home() / ".cache/chainkv")),
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", *args],
+        cwd=ROOT,
+        env=env,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def one_line_error(r: subprocess.CompletedProcess, *words: str) -> None:
@@ -81,7 +92,10 @@ def test_each_rendering_thread_has_its_own_tokenizer(smollm2_dir):
         seen[name] = renderer._tok()
         results[name] = renderer.first_turn(messages).token_ids
 
-    threads = [threading.Thread(target=render, args=("big", big)), threading.Thread(target=render, args=("small", small))]
+    threads = [
+        threading.Thread(target=render, args=("big", big)),
+        threading.Thread(target=render, args=("small", small)),
+    ]
     for t in threads:
         t.start()
     for t in threads:

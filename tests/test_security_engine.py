@@ -26,15 +26,40 @@ from engine.sampling import SamplingError, SamplingParams, sample
 
 from tests.conftest import run_turn
 
-_FLOATS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(
-    [0.0, -0.0, 1e-300, 1e-40, 5e-324, 1e-5, 1e-4, 1e300, -1.0, float("nan"), float("inf"), -float("inf"), 100.0, 100.1]),
-    st.booleans(), st.integers(-2**70, 2**70))
-_INTS = st.one_of(st.integers(-2**70, 2**70), st.booleans(), st.floats(allow_nan=True))
+_FLOATS = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from(
+        [
+            0.0,
+            -0.0,
+            1e-300,
+            1e-40,
+            5e-324,
+            1e-5,
+            1e-4,
+            1e300,
+            -1.0,
+            float("nan"),
+            float("inf"),
+            -float("inf"),
+            100.0,
+            100.1,
+        ]
+    ),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+)
+_INTS = st.one_of(st.integers(-(2**70), 2**70), st.booleans(), st.floats(allow_nan=True))
 
 
 @settings(max_examples=400, deadline=None)
-@given(temperature=_FLOATS, top_p=_FLOATS, top_k=_INTS, seed=st.one_of(st.none(), _INTS),
-       big=st.sampled_from([1.0, 1e4, 1e30, 3e38]))
+@given(
+    temperature=_FLOATS,
+    top_p=_FLOATS,
+    top_k=_INTS,
+    seed=st.one_of(st.none(), _INTS),
+    big=st.sampled_from([1.0, 1e4, 1e30, 3e38]),
+)
 def test_sampling_fields_are_refused_or_sample_a_valid_token(temperature, top_p, top_k, seed, big):
     try:
         p = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
@@ -124,8 +149,13 @@ def test_a_failure_processing_one_sequences_token_fails_it_alone(tiny_engine_con
         return real(seq, token, now, at=at)
 
     monkeypatch.setattr(eng.loop, "_append_token", faulty)
-    outs = _run_together(eng, {"bad": (list(range(5, 30)), SamplingParams(max_tokens=4)),
-                               "good": (list(range(7, 33)), SamplingParams(max_tokens=4))})
+    outs = _run_together(
+        eng,
+        {
+            "bad": (list(range(5, 30)), SamplingParams(max_tokens=4)),
+            "good": (list(range(7, 33)), SamplingParams(max_tokens=4)),
+        },
+    )
     assert outs["bad"].finish_reason == "failed" and outs["good"].finish_reason in ("stop", "length")
 
 

@@ -38,8 +38,10 @@ C = grpc.StatusCode
 TOKENS = {"tok-alpha": "alpha", "tok-beta": "beta"}
 ALPHA = [("authorization", "Bearer tok-alpha")]
 BETA = [("authorization", "Bearer tok-beta")]
-SYSTEM = ("You are the internal assistant of the Zorblax company. Never reveal the launch code "
-          "PELICAN-7 and answer in one short sentence. ") * 3
+SYSTEM = (
+    "You are the internal assistant of the Zorblax company. Never reveal the launch code "
+    "PELICAN-7 and answer in one short sentence. "
+) * 3
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +115,9 @@ def test_1_path_like_ids_are_invalid_argument(side, sid):
     _, stub, _, _ = side
     assert code_of(lambda: run(stub, req(sid, "hi"))) == C.INVALID_ARGUMENT
     assert code_of(lambda: stub.EndSession(pb.EndSessionRequest(session_id=sid), metadata=ALPHA)) == C.INVALID_ARGUMENT
-    assert code_of(lambda: stub.ForkSession(pb.ForkSessionRequest(session_id="x", new_session_id=sid),
-                                            metadata=ALPHA)) in (C.INVALID_ARGUMENT, C.NOT_FOUND)
+    assert code_of(
+        lambda: stub.ForkSession(pb.ForkSessionRequest(session_id="x", new_session_id=sid), metadata=ALPHA)
+    ) in (C.INVALID_ARGUMENT, C.NOT_FOUND)
 
 
 @pytest.mark.parametrize("how", ["flushall", "one_back"])
@@ -155,9 +158,19 @@ def test_3_a_rolled_back_signed_record_is_data_loss(side):
     assert first.turn_index == 0
 
 
-@pytest.mark.parametrize("field,value", [("temperature", float("nan")), ("temperature", float("inf")),
-                                         ("temperature", -1.0), ("temperature", 1e300), ("top_p", float("nan")),
-                                         ("top_p", 0.0), ("top_p", 1.5), ("top_k", -3)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("temperature", -1.0),
+        ("temperature", 1e300),
+        ("top_p", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -3),
+    ],
+)
 def test_4_bad_sampling_fields_are_invalid_argument(side, field, value):
     _, stub, _, channel = side
     assert code_of(lambda: run(stub, req(f"bad-{field}", "hi", **{field: value}))) == C.INVALID_ARGUMENT
@@ -189,9 +202,11 @@ def test_4_a_failure_in_one_sequences_sampling_fails_that_turn_only(side, monkey
         except grpc.RpcError as e:
             results[name] = e.code()
 
-    threads = [threading.Thread(target=go, args=("bad",), kwargs=dict(temperature=0.7, seed=666)),
-               threading.Thread(target=go, args=("good",), kwargs=dict(temperature=0.7, seed=1)),
-               threading.Thread(target=go, args=("greedy",))]
+    threads = [
+        threading.Thread(target=go, args=("bad",), kwargs=dict(temperature=0.7, seed=666)),
+        threading.Thread(target=go, args=("good",), kwargs=dict(temperature=0.7, seed=1)),
+        threading.Thread(target=go, args=("greedy",)),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -255,8 +270,9 @@ def test_8_deep_json_is_invalid_argument(side, depth):
     r = req("deep-json", "hi")
     r.tools.append(tool)
     assert code_of(lambda: run(stub, r)) == C.INVALID_ARGUMENT
-    call = pb.Message(role="assistant", content="", tool_calls=[pb.ToolCall(id="c", name="f",
-                                                                             arguments_json='{"a": ' + deep + "}")])
+    call = pb.Message(
+        role="assistant", content="", tool_calls=[pb.ToolCall(id="c", name="f", arguments_json='{"a": ' + deep + "}")]
+    )
     r = req("deep-json-2", "hi")
     r.messages.insert(0, call)
     assert code_of(lambda: run(stub, r)) == C.INVALID_ARGUMENT
@@ -266,11 +282,14 @@ def test_9_oversized_text_is_refused_before_tokenizing(side, smol_engine):
     _, stub, _, channel = side
     limit = 16 * smol_engine.max_model_len
     assert code_of(lambda: run(stub, req("big", "word " * (limit // 5 + 10)))) == C.INVALID_ARGUMENT
-    many = pb.TurnRequest(session_id="many", max_tokens=2,
-                          messages=[pb.Message(role="user", content="x" * 15000) for _ in range(256)])
+    many = pb.TurnRequest(
+        session_id="many", max_tokens=2, messages=[pb.Message(role="user", content="x" * 15000) for _ in range(256)]
+    )
     assert code_of(lambda: stub.Turn(many, metadata=ALPHA).__next__()) in (C.INVALID_ARGUMENT, C.RESOURCE_EXHAUSTED)
-    assert code_of(lambda: run(stub, req("stop", "hi", stop=["s" * 2_000_000]))) in (C.INVALID_ARGUMENT,
-                                                                                    C.RESOURCE_EXHAUSTED)
+    assert code_of(lambda: run(stub, req("stop", "hi", stop=["s" * 2_000_000]))) in (
+        C.INVALID_ARGUMENT,
+        C.RESOURCE_EXHAUSTED,
+    )
     assert code_of(lambda: run(stub, req("stop2", "hi", stop=["s" * 300]))) == C.INVALID_ARGUMENT
     assert serving(channel)
 
@@ -281,4 +300,7 @@ def test_10_a_request_id_reused_for_other_content_is_refused(side):
     again = run(stub, req("rid", "Name a fruit.", request_id="same"))
     assert again.replayed and again.token_ids == first.token_ids
     assert code_of(lambda: run(stub, req("rid", "Name a vegetable.", request_id="same"))) == C.FAILED_PRECONDITION
-    assert code_of(lambda: run(stub, req("rid", "Name a fruit.", request_id="same", max_tokens=9))) == C.FAILED_PRECONDITION
+    assert (
+        code_of(lambda: run(stub, req("rid", "Name a fruit.", request_id="same", max_tokens=9)))
+        == C.FAILED_PRECONDITION
+    )

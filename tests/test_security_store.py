@@ -24,8 +24,7 @@ from hypothesis import strategies as st
 from sidecar.integrity import SnapshotKeys, SnapshotRejected
 from sidecar.sessions import BadSessionId, Session, check_id, scoped_key
 from sidecar.snapshots import SnapshotWriter, store_regressed
-from sidecar.store import (DirectoryStore, GenerationConflict, RedisStore, SnapshotRolledBack, StoredSession,
-                           folder_name)
+from sidecar.store import DirectoryStore, GenerationConflict, RedisStore, SnapshotRolledBack, StoredSession, folder_name
 
 from redis_server import RedisProcess
 
@@ -52,8 +51,15 @@ def store(request, tmp_path):
 
 
 def record(key: str, generation: int, turn: int | None = None, blob: bytes | None = None) -> StoredSession:
-    rec = {"session_id": key, "generation": generation, "turn_index": generation if turn is None else turn,
-           "tokens": bytes(range(8)) * generation, "digest": "d", "fingerprint": "m|x", "method": {"method": "dense"}}
+    rec = {
+        "session_id": key,
+        "generation": generation,
+        "turn_index": generation if turn is None else turn,
+        "tokens": bytes(range(8)) * generation,
+        "digest": "d",
+        "fingerprint": "m|x",
+        "method": {"method": "dense"},
+    }
     return StoredSession(record=rec, app={"requests": [[f"r{generation}", b"c"]]}, kv=blob)
 
 
@@ -63,8 +69,29 @@ def tree(root: Path) -> set[str]:
 
 # --- 1. path traversal ---------------------------------------------------------------------------------
 _ANY_TEXT = st.text(st.characters(blacklist_categories=("Cs",)), min_size=0, max_size=300)
-_NASTY = st.sampled_from(["..", ".", "../..", "../../etc/passwd", "/", "//", "a/../..", "..\\..", "\x00", "~",
-                          "%2e%2e", "%2e%2e%2f", "...", "a" * 5000, "con", "nul", ".lock", "meta", "kv.1.0"])
+_NASTY = st.sampled_from(
+    [
+        "..",
+        ".",
+        "../..",
+        "../../etc/passwd",
+        "/",
+        "//",
+        "a/../..",
+        "..\\..",
+        "\x00",
+        "~",
+        "%2e%2e",
+        "%2e%2e%2f",
+        "...",
+        "a" * 5000,
+        "con",
+        "nul",
+        ".lock",
+        "meta",
+        "kv.1.0",
+    ]
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -129,8 +156,11 @@ def _put_meta(store, key, fields: dict) -> None:
     import msgpack
 
     if isinstance(store, DirectoryStore):
-        (store.folder(key) / "meta").write_bytes(msgpack.packb(
-            {(k if isinstance(k, bytes) else k.encode()): v for k, v in fields.items()}, use_bin_type=True))
+        (store.folder(key) / "meta").write_bytes(
+            msgpack.packb(
+                {(k if isinstance(k, bytes) else k.encode()): v for k, v in fields.items()}, use_bin_type=True
+            )
+        )
     else:
         store.client.delete(store.meta_key(key))
         store.client.hset(store.meta_key(key), mapping=fields)
@@ -198,8 +228,15 @@ class _FakeEngineClient:
     def __init__(self, generation: int, turn: int):
         from engine.cache.snapshot import SessionSnapshot
 
-        meta = {"session_id": "t/s", "generation": generation, "turn_index": turn, "tokens": bytes(range(8)),
-                "digest": "d", "fingerprint": "m|x", "method": {"method": "dense"}}
+        meta = {
+            "session_id": "t/s",
+            "generation": generation,
+            "turn_index": turn,
+            "tokens": bytes(range(8)),
+            "digest": "d",
+            "fingerprint": "m|x",
+            "method": {"method": "dense"},
+        }
         self.snap = SessionSnapshot(meta=meta, kv=None)
 
     async def snapshot(self, key, with_kv=True):

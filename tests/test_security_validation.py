@@ -13,12 +13,13 @@ from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.chat import ChatError, tool_from_json
 from sidecar.limits import TurnTooLarge
 from sidecar.tool_calls import ToolCallParser
-from sidecar.validation import (JsonTooDeep, check_turn_bytes, json_depth, loads_bounded, request_digest,
-                                turn_text_bytes)
+from sidecar.validation import JsonTooDeep, check_turn_bytes, json_depth, loads_bounded, request_digest, turn_text_bytes
 
-_json = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.text(alphabet='[]{}"\\ab:,', max_size=6)),
-                     lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=3), inner, max_size=3)),
-                     max_leaves=30)
+_json = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.text(alphabet='[]{}"\\ab:,', max_size=6)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=3), inner, max_size=3)),
+    max_leaves=30,
+)
 
 
 def _depth(v) -> int:
@@ -50,8 +51,11 @@ def test_deep_json_is_refused_everywhere_it_is_read(depth):
 
 
 def test_turn_text_is_bounded_in_bytes_before_tokenizing():
-    req = pb.TurnRequest(session_id="s", messages=[pb.Message(role="user", content="é" * 600)],
-                         tools=[pb.Tool(name="t", parameters_json="{}")])
+    req = pb.TurnRequest(
+        session_id="s",
+        messages=[pb.Message(role="user", content="é" * 600)],
+        tools=[pb.Tool(name="t", parameters_json="{}")],
+    )
     assert turn_text_bytes(req) == 1200 + 1 + 2
     check_turn_bytes(req, 1203)
     with pytest.raises(TurnTooLarge):
@@ -59,11 +63,20 @@ def test_turn_text_is_bounded_in_bytes_before_tokenizing():
 
 
 def test_a_request_digest_ignores_ids_and_precondition_only():
-    base = pb.TurnRequest(session_id="a", request_id="r", expected_turn_index=2, max_tokens=4,
-                          messages=[pb.Message(role="user", content="x")])
+    base = pb.TurnRequest(
+        session_id="a",
+        request_id="r",
+        expected_turn_index=2,
+        max_tokens=4,
+        messages=[pb.Message(role="user", content="x")],
+    )
     same = pb.TurnRequest(session_id="b", request_id="q", max_tokens=4, messages=[pb.Message(role="user", content="x")])
     assert request_digest(base) == request_digest(same)
     for change in (dict(max_tokens=5), dict(temperature=0.5), dict(stop=["z"]), dict(ignore_eos=True)):
-        other = pb.TurnRequest(session_id="a", request_id="r", messages=[pb.Message(role="user", content="x")],
-                               **{"max_tokens": 4, **change})
+        other = pb.TurnRequest(
+            session_id="a",
+            request_id="r",
+            messages=[pb.Message(role="user", content="x")],
+            **{"max_tokens": 4, **change},
+        )
         assert request_digest(other) != request_digest(base)

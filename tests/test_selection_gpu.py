@@ -10,9 +10,17 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-RANDOM_LLAMA = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-                    num_key_value_heads=2, vocab_size=2048, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                    tie_word_embeddings=False)
+RANDOM_LLAMA = dict(
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=2048,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
 
 
 def random_llama_engine(model_dir, device: str = "cuda", cuda_graphs: bool = False):
@@ -27,8 +35,18 @@ def random_llama_engine(model_dir, device: str = "cuda", cuda_graphs: bool = Fal
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.save_pretrained(str(model_dir))
     # no CUDA graphs by default: every step goes through the same (eager) kernel, with or without page lists
-    return LLMEngine(EngineConfig(model=str(model_dir), device=device, num_pages=20000, prefill_chunk_size=128,
-                                  max_model_len=2048, cuda_graphs=cuda_graphs, async_decode=False), random_weights=True)
+    return LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            device=device,
+            num_pages=20000,
+            prefill_chunk_size=128,
+            max_model_len=2048,
+            cuda_graphs=cuda_graphs,
+            async_decode=False,
+        ),
+        random_weights=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +75,9 @@ def test_triton_covering_page_lists_equal_dense(gpu_engine, prompt):
     from engine.lifecycle import MethodSpec
 
     assert gpu_engine.backend.name == "triton"
-    dense, quest, offload = _run(gpu_engine, prompt, [MethodSpec("dense"), MethodSpec("quest", budget=8192),
-                                                      MethodSpec("offload", budget=8192)])
+    dense, quest, offload = _run(
+        gpu_engine, prompt, [MethodSpec("dense"), MethodSpec("quest", budget=8192), MethodSpec("offload", budget=8192)]
+    )
     assert quest == dense and offload == dense
 
 
@@ -80,8 +99,8 @@ def test_triton_sparse_page_lists_match_reference(gpu_engine, prompt):
     sel = torch.tensor([0, 3, 7, 11, -1], device="cuda").repeat(B, H, 1)
     view = AttentionView(pages, lengths, P, selected_pages=sel)
     q = torch.randn(B, Hq, D, device="cuda", dtype=pool.dtype, generator=gen)
-    out, _ = eng.backend.decode(pool, view, q, D ** -0.5)
-    ref, _ = ReferenceAttention().decode(pool, view, q, D ** -0.5)
+    out, _ = eng.backend.decode(pool, view, q, D**-0.5)
+    ref, _ = ReferenceAttention().decode(pool, view, q, D**-0.5)
     assert torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 

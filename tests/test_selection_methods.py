@@ -61,8 +61,13 @@ def test_quest_page_scores_are_the_formula():
     direct = torch.empty(H, NP)
     for h in range(H):
         for p in range(NP):
-            per_query = [sum(max(float(q[h * G + g, d] * kmax[h, p, d]), float(q[h * G + g, d] * kmin[h, p, d]))
-                             for d in range(D)) for g in range(G)]
+            per_query = [
+                sum(
+                    max(float(q[h * G + g, d] * kmax[h, p, d]), float(q[h * G + g, d] * kmin[h, p, d]))
+                    for d in range(D)
+                )
+                for g in range(G)
+            ]
             direct[h, p] = max(per_query)
     assert torch.allclose(page_scores(q, kmin, kmax), direct, atol=1e-5)
 
@@ -84,8 +89,21 @@ def test_quest_selects_the_top_pages_and_attends_only_them():
     shape = ModelShape(num_layers=1, num_heads=Hq, num_kv_heads=H, head_dim=D, page_size=P)
     quest = create_method(MethodSpec("quest", budget=4 * P, method_args={"dense_layers": 0}), shape)
     # prefill the first 33 tokens' summaries, then decode 3 tokens (pages fill incrementally)
-    quest.after_prefill_chunk(0, PrefillChunk(seq_id="s", layer=0, start=0, length=33, is_last=True, q=None, k=k,
-                                              v=v, lengths=mgr.lengths[0, 0].clone(), cache=mgr))
+    quest.after_prefill_chunk(
+        0,
+        PrefillChunk(
+            seq_id="s",
+            layer=0,
+            start=0,
+            length=33,
+            is_last=True,
+            q=None,
+            k=k,
+            v=v,
+            lengths=mgr.lengths[0, 0].clone(),
+            cache=mgr,
+        ),
+    )
     for step in range(3):
         kn, vn = torch.randn(1, H, D, generator=gen), torch.randn(1, H, D, generator=gen)
         n = 33 + step + 1
@@ -112,11 +130,11 @@ def test_quest_selects_the_top_pages_and_attends_only_them():
         # attention over the selection equals dense attention over the selected pages' tokens only
         tables, lengths = mgr.view_tables(torch.tensor([0]), 0, NP)
         view = AttentionView(tables, lengths, P, selected_pages=sel[None])
-        out, _ = ReferenceAttention().decode(pool, view, q, D ** -0.5)
+        out, _ = ReferenceAttention().decode(pool, view, q, D**-0.5)
         for h in range(H):
             toks = torch.cat([torch.arange(p * P, min((p + 1) * P, n)) for p in sel[h].tolist() if p >= 0])
             for g in range(2):
-                w = torch.softmax(k[toks, h] @ q[0, h * 2 + g] * D ** -0.5, 0)
+                w = torch.softmax(k[toks, h] @ q[0, h * 2 + g] * D**-0.5, 0)
                 assert torch.allclose(out[0, h * 2 + g], w @ v[toks, h], atol=1e-5)
 
 
@@ -156,9 +174,15 @@ def test_quest_bounds_rebuild_when_the_cache_changes_under_them(device):
         kn, vn = torch.randn(1, H, D, generator=gen).to(device), torch.randn(1, H, D, generator=gen).to(device)
         slots = mgr.append([seq], [1], torch.tensor([int(mgr.lengths[slot, 0].max())]))
         ReferenceAttention().store_kv(pool, slots[0], kn, vn)
-        batch = DecodeBatch(layer=0, seq_ids=[seq], num_tokens=[int(mgr.lengths[slot, 0].max())],
-                            q=torch.randn(1, H, D, generator=gen).to(device), lengths=mgr.lengths[[slot], 0], cache=mgr,
-                            k=kn)
+        batch = DecodeBatch(
+            layer=0,
+            seq_ids=[seq],
+            num_tokens=[int(mgr.lengths[slot, 0].max())],
+            q=torch.randn(1, H, D, generator=gen).to(device),
+            lengths=mgr.lengths[[slot], 0],
+            cache=mgr,
+            k=kn,
+        )
         quest.decode_view(0, batch)
         lo, hi, ids = _stored_bounds(quest, mgr, seq)
         want_lo, want_hi = _page_bounds_direct(mgr, seq)
@@ -205,9 +229,21 @@ def test_quest_batched_selection_equals_the_rule_per_sequence(device):
             k, v = torch.randn(m, H, D, generator=gen).to(device), torch.randn(m, H, D, generator=gen).to(device)
             for layer in range(2):
                 ReferenceAttention().store_kv(pool, slots[layer], k, v)
-                quest.after_prefill_chunk(layer, PrefillChunk(
-                    seq_id=name, layer=layer, start=done, length=m, is_last=m == chunks[-1], q=None, k=k, v=v,
-                    lengths=mgr.lengths[mgr.slot(name), layer].clone(), cache=mgr))
+                quest.after_prefill_chunk(
+                    layer,
+                    PrefillChunk(
+                        seq_id=name,
+                        layer=layer,
+                        start=done,
+                        length=m,
+                        is_last=m == chunks[-1],
+                        q=None,
+                        k=k,
+                        v=v,
+                        lengths=mgr.lengths[mgr.slot(name), layer].clone(),
+                        cache=mgr,
+                    ),
+                )
             done += m
     names = list(seqs)
     slot_ids = torch.tensor([mgr.slot(s) for s in names])
@@ -219,14 +255,25 @@ def test_quest_batched_selection_equals_the_rule_per_sequence(device):
         lengths = mgr.lengths[slot_ids, 1]
         NP = -(-int(lengths.max()) // P)
         tables, dev_lengths = mgr.view_tables(slot_ids.to(device), 1, NP)
-        batch = DecodeBatch(layer=1, seq_ids=names, num_tokens=[seqs[s] + step + 1 for s in names], q=q.to(device),
-                            lengths=lengths, cache=mgr, k=kn, tables=tables, device_lengths=dev_lengths)
+        batch = DecodeBatch(
+            layer=1,
+            seq_ids=names,
+            num_tokens=[seqs[s] + step + 1 for s in names],
+            q=q.to(device),
+            lengths=lengths,
+            cache=mgr,
+            k=kn,
+            tables=tables,
+            device_lengths=dev_lengths,
+        )
         assert quest.decode_view(0, batch) is None  # a dense layer
         sel = quest.decode_view(1, batch).selected_pages.cpu()
         # the CUDA-graph form reads the cache's full-width tables and must pick the same pages
         assert quest.graph_decode()
         rows = slot_ids.to(device)
-        in_graph = quest.graph_decode_view(1, mgr, q.to(device), mgr.tables_dev[rows, 1], mgr.lengths_dev[rows, 1]).cpu()
+        in_graph = quest.graph_decode_view(
+            1, mgr, q.to(device), mgr.tables_dev[rows, 1], mgr.lengths_dev[rows, 1]
+        ).cpu()
         assert in_graph.shape[-1] == budget_pages
         for i in range(len(names)):
             for h in range(H):
@@ -289,7 +336,12 @@ def test_offloaded_session_snapshots_and_continues(smol_engine, prompt):
         outs[sid] = [eng.snapshot_session(sid).kv]
     assert sum(eng.manager.num_host_pages("off-host", layer) for layer in range(eng.shape.num_layers)) > 0
     a, b = outs["off-host"][0], outs["off-dev"][0]
-    assert torch.equal(a.lengths, b.lengths) and torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and torch.equal(a.pos, b.pos)
+    assert (
+        torch.equal(a.lengths, b.lengths)
+        and torch.equal(a.k, b.k)
+        and torch.equal(a.v, b.v)
+        and torch.equal(a.pos, b.pos)
+    )
     # the next turn prefills over the offloaded history (cold pages come back) and decodes the same
     second = chat(eng, "And item 7?")
     for sid in outs:
@@ -329,14 +381,18 @@ def test_duo_calibration_writes_a_pattern_the_method_loads(smol_engine, tmp_path
     assert scores.shape == (smol_engine.shape.num_layers, smol_engine.shape.num_kv_heads)
     assert bool(((scores >= 0) & (scores <= 1)).all()) and float(scores.std()) > 0
     path = write_pattern(pattern, tmp_path / "p.json")
-    method = create_method(MethodSpec("duo_attention", method_args={"pattern": str(path), "sparsity": 0.25}), smol_engine.shape)
+    method = create_method(
+        MethodSpec("duo_attention", method_args={"pattern": str(path), "sparsity": 0.25}), smol_engine.shape
+    )
     assert torch.allclose(method.scores, scores)
     # the streaming heads are the quarter with the lowest scores
     assert float(scores[method.streaming].max()) <= float(scores[~method.streaming].min())
     with pytest.raises(MethodError, match="is for"):
         bad = dict(pattern, num_layers=2)
         (tmp_path / "bad.json").write_text(json.dumps(bad))
-        create_method(MethodSpec("duo_attention", method_args={"pattern": str(tmp_path / "bad.json")}), smol_engine.shape)
+        create_method(
+            MethodSpec("duo_attention", method_args={"pattern": str(tmp_path / "bad.json")}), smol_engine.shape
+        )
 
 
 def test_shipped_smollm2_pattern(smol_engine):
@@ -352,8 +408,27 @@ def test_methods_in_help_and_cli(capsys):
     text = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
     for name in NEW_METHODS:
         assert name in text and name in REGISTRY
-    assert main(["generate", "--method", "quest", "--budget", "256", "--method-arg", "dense_layers=1",
-                 "--num-pages", "3000", "--max-tokens", "4", "--ignore-eos", "--json", "Hello there"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--method",
+                "quest",
+                "--budget",
+                "256",
+                "--method-arg",
+                "dense_layers=1",
+                "--num-pages",
+                "3000",
+                "--max-tokens",
+                "4",
+                "--ignore-eos",
+                "--json",
+                "Hello there",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["method"] == "quest" and len(out["token_ids"]) == 4
 
@@ -362,14 +437,19 @@ def test_sidecar_request_fields_build_each_method(smol_engine):
     from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
     from sidecar.protocol import InvalidRequest, method_spec
 
-    cases = {"quest": {"dense_layers": "1"}, "omnikv": {"filter_layers": "2,8"}, "offload": {"n_sink": "32"},
-             "duo_attention": {"sparsity": "0.25"}}
+    cases = {
+        "quest": {"dense_layers": "1"},
+        "omnikv": {"filter_layers": "2,8"},
+        "offload": {"n_sink": "32"},
+        "duo_attention": {"sparsity": "0.25"},
+    }
     for name, args in cases.items():
         spec = method_spec(pb.TurnRequest(method=name, budget=256, method_args=args))
         m = smol_engine.controller.method_for(spec)
         assert m.name == name and m.spec.budget == 256
-    assert smol_engine.controller.method_for(method_spec(pb.TurnRequest(method="omnikv", budget_ratio=0.1,
-                                                                        method_args={"filter_layers": "2,8"}))).filters == [2, 8]
+    assert smol_engine.controller.method_for(
+        method_spec(pb.TurnRequest(method="omnikv", budget_ratio=0.1, method_args={"filter_layers": "2,8"}))
+    ).filters == [2, 8]
     with pytest.raises(InvalidRequest):
         method_spec(pb.TurnRequest(method="quest", budget=256, method_args={"page": "8"}))
 
@@ -383,8 +463,9 @@ def test_omnikv_filter_layer_choice_is_reused_by_the_next_layers():
     assert [m.needs_decode_probs_at(layer) for layer in range(6)] == [False, True, False, False, True, False]
     lengths = torch.full((1, H), n, dtype=torch.int32)
     probs = torch.softmax(torch.randn(1, Hq, n, generator=gen), -1)
-    batch = DecodeBatch(layer=1, seq_ids=["s"], num_tokens=[n], q=torch.zeros(1, Hq, D), lengths=lengths, cache=mgr,
-                        probs=probs)
+    batch = DecodeBatch(
+        layer=1, seq_ids=["s"], num_tokens=[n], q=torch.zeros(1, Hq, D), lengths=lengths, cache=mgr, probs=probs
+    )
     assert m.decode_view(0, batch) is None and m.decode_view(1, batch) is None  # before / at the filter layer: dense
     m.after_decode(1, batch)
     score = probs[0].sum(0)

@@ -54,8 +54,11 @@ def _filled_cache(seed: int):
     for s, n in ((0, 37), (1, 22)):
         mgr.open(s)
         slots = mgr.append([s], [n], torch.arange(n))
-        pool.write_tokens(slots.permute(1, 0, 2).reshape(n, L * H), torch.randn(n, L * H, D, generator=g),
-                          torch.randn(n, L * H, D, generator=g))
+        pool.write_tokens(
+            slots.permute(1, 0, 2).reshape(n, L * H),
+            torch.randn(n, L * H, D, generator=g),
+            torch.randn(n, L * H, D, generator=g),
+        )
         for layer in range(L):  # uneven heads
             mgr.evict(s, layer, [torch.arange(n - 3 * h) for h in range(H)])
     mgr.fork(0, 2)
@@ -88,8 +91,14 @@ def test_one_compaction_equals_compacting_each_row_alone():
 def test_compaction_keeps_the_rule_and_frees_what_it_drops():
     mgr, g = _filled_cache(1)
     before = {(s, layer, h): _head_contents(mgr, s, layer, h) for s in (0, 1) for layer in range(2) for h in range(3)}
-    keep = {(s, layer): [torch.sort(torch.randperm(int(n), generator=g)[: int(n) // 3]).values
-                         for n in mgr.lengths[mgr.slot(s), layer]] for s in (0, 1) for layer in range(2)}
+    keep = {
+        (s, layer): [
+            torch.sort(torch.randperm(int(n), generator=g)[: int(n) // 3]).values
+            for n in mgr.lengths[mgr.slot(s), layer]
+        ]
+        for s in (0, 1)
+        for layer in range(2)
+    }
     used = mgr.pool.num_used
     result = mgr.compact([(s, layer, k) for (s, layer), k in keep.items()])
     for (s, layer), k in keep.items():
@@ -228,8 +237,12 @@ def test_snapkv_scoring_every_layer_after_the_pass_keeps_what_layer_by_layer_kee
         kept = {}
         for turn in range(3):
             for i in range(3):
-                eng.add_turn(f"s{i}", (system if turn == 0 else []) + _prompt(150 + 11 * i + 7 * turn, 10 * turn + i),
-                             GREEDY, method=spec)
+                eng.add_turn(
+                    f"s{i}",
+                    (system if turn == 0 else []) + _prompt(150 + 11 * i + 7 * turn, 10 * turn + i),
+                    GREEDY,
+                    method=spec,
+                )
             while eng.has_unfinished():
                 eng.step()
             kept.update({(turn, i): eng.manager.positions(f"s{i}").clone() for i in range(3)})

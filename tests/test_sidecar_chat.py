@@ -47,28 +47,51 @@ def test_a_reply_cut_short_gets_the_whole_turn_close(renderer):
     cut = r.encode("1, 2, 3")  # max_tokens ended the reply: no <|im_end|> in the history
     nxt = r.continuation([{"role": "user", "content": "Go on."}], history_ends_with_eot=False)
     whole = r.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Count to ten."}, {"role": "assistant", "content": "1, 2, 3"},
-         {"role": "user", "content": "Go on."}], tokenize=False, add_generation_prompt=True)
+        [
+            {"role": "user", "content": "Count to ten."},
+            {"role": "assistant", "content": "1, 2, 3"},
+            {"role": "user", "content": "Go on."},
+        ],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert first.token_ids + cut + nxt.token_ids == r.encode(whole)
 
 
 def test_tools_go_into_the_system_prompt_when_the_template_ignores_them(renderer):
     r = renderer
     assert not r.template_takes_tools  # SmolLM2's template has no tools
-    calc = ToolSpec("calculator", "Evaluate arithmetic.", {"type": "object", "properties": {"expression": {"type": "string"}}})
+    calc = ToolSpec(
+        "calculator", "Evaluate arithmetic.", {"type": "object", "properties": {"expression": {"type": "string"}}}
+    )
     t = r.first_turn([{"role": "user", "content": "2+2?"}], tools=[calc])
     text = r.tokenizer.decode(t.token_ids)
     assert text.startswith("<|im_start|>system\n# Tools") and '"name": "calculator"' in text
     assert "You are a helpful AI assistant named SmolLM" not in text  # the tool prompt is the system message
     # the system message (tool schema) is the shared prefix, and its span
     assert t.spans[0][2] == "system" and t.shared_prefix == t.spans[0][1]
-    with_sys = r.first_turn([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"}],
-                            tools=[calc], shared_prefix_messages=1)
+    with_sys = r.first_turn(
+        [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"}],
+        tools=[calc],
+        shared_prefix_messages=1,
+    )
     assert r.tokenizer.decode(with_sys.token_ids).startswith("<|im_start|>system\nBe terse.\n\n# Tools")
     # an assistant message with tool calls is rendered in the same convention
-    cont = r.continuation([{"role": "assistant", "content": "", "tool_calls": [{"name": "calculator", "arguments": {"expression": "2+2"}}]},
-                           {"role": "tool", "content": "4"}], history_ends_with_eot=True)
-    assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"}}\n</tool_call>' in r.tokenizer.decode(cont.token_ids)
+    cont = r.continuation(
+        [
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"name": "calculator", "arguments": {"expression": "2+2"}}],
+            },
+            {"role": "tool", "content": "4"},
+        ],
+        history_ends_with_eot=True,
+    )
+    assert (
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"}}\n</tool_call>'
+        in r.tokenizer.decode(cont.token_ids)
+    )
 
 
 def test_bad_messages_are_refused(renderer):
@@ -88,7 +111,10 @@ def test_tool_call_parser_streams_text_and_calls_split_anywhere():
         text = "".join(v for k, v in events if k == "text")
         calls = [v for k, v in events if k == "tool_call"]
         assert text == "Let me check.Then  done <tool"
-        assert [(c.name, json.loads(c.arguments_json)) for c in calls] == [("clock", {}), ("calculator", {"expression": "1+1"})]
+        assert [(c.name, json.loads(c.arguments_json)) for c in calls] == [
+            ("clock", {}),
+            ("calculator", {"expression": "1+1"}),
+        ]
         # the held-back tag prefix never leaks early: every text event before the end is tag-free
         assert all("<tool_call>" not in v for k, v in events if k == "text")
 
@@ -99,7 +125,11 @@ def test_tool_call_parser_passes_malformed_calls_through_and_accepts_an_unclosed
     assert events == [("text", "<tool_call>not json</tool_call> ok")]
     p = ToolCallParser()
     events = p.feed('<tool_call>{"name": "clock", "parameters": {"tz": "UTC"}}') + p.finish()
-    assert events[0][0] == "tool_call" and events[0][1].name == "clock" and json.loads(events[0][1].arguments_json) == {"tz": "UTC"}
+    assert (
+        events[0][0] == "tool_call"
+        and events[0][1].name == "clock"
+        and json.loads(events[0][1].arguments_json) == {"tz": "UTC"}
+    )
     assert parse_call('{"arguments": {}}') is None and parse_call('{"name": "x", "arguments": [1]}') is None
 
 

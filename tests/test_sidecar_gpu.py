@@ -29,8 +29,11 @@ from sidecar.store import DirectoryStore  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-TURNS = [[("system", "You are a concise assistant."), ("user", "Name three fruits.")],
-         [("user", "Which of them is yellow?")], [("user", "Thanks. One more?")]]
+TURNS = [
+    [("system", "You are a concise assistant."), ("user", "Name three fruits.")],
+    [("user", "Which of them is yellow?")],
+    [("user", "Thanks. One more?")],
+]
 
 
 @pytest.fixture(autouse=True)
@@ -57,12 +60,20 @@ def test_gpu_turns_through_grpc_equal_direct_turns(tmp_path):
             stub = sidecar_pb2_grpc.SidecarStub(ch)
             got = []
             for t in TURNS:
-                req = pb.TurnRequest(session_id="g", messages=[pb.Message(role=r, content=c) for r, c in t], max_tokens=24)
+                req = pb.TurnRequest(
+                    session_id="g", messages=[pb.Message(role=r, content=c) for r, c in t], max_tokens=24
+                )
                 got.append(list(stub.Turn(req))[-1].completion)
             assert [c.usage.source_tier for c in got] == [pb.TIER_NEW, pb.TIER_GPU, pb.TIER_GPU]
             before = stub.GetSession(pb.GetSessionRequest(session_id="g"))
-            call = stub.Turn(pb.TurnRequest(session_id="g", messages=[pb.Message(role="user", content="Count to 500.")],
-                                            max_tokens=2000, ignore_eos=True))
+            call = stub.Turn(
+                pb.TurnRequest(
+                    session_id="g",
+                    messages=[pb.Message(role="user", content="Count to 500.")],
+                    max_tokens=2000,
+                    ignore_eos=True,
+                )
+            )
             for n, _ in enumerate(call, 1):
                 if n == 20:
                     call.cancel()

@@ -14,7 +14,9 @@ def test_checked_in_stubs_match_a_fresh_generation(tmp_path):
     fresh = generate(tmp_path)
     rel = sorted(str(p.relative_to(tmp_path)) for p in fresh)
     assert "chainkv/v1/sidecar_pb2_grpc.py" in rel
-    checked_in = sorted(str(p.relative_to(STUB_DIR)) for p in STUB_DIR.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    checked_in = sorted(
+        str(p.relative_to(STUB_DIR)) for p in STUB_DIR.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+    )
     assert checked_in == rel, "sidecar/_proto has files the generator does not make (or lacks some)"
     _, mismatch, errors = filecmp.cmpfiles(tmp_path, STUB_DIR, rel, shallow=False)
     assert not mismatch and not errors, f"stale stubs {mismatch}: run `python -m sidecar.protogen`"
@@ -25,7 +27,14 @@ def test_stubs_import_as_a_package_and_describe_the_service():
 
     service = sidecar_pb2.DESCRIPTOR.services_by_name["Sidecar"]
     assert service.full_name == "chainkv.v1.Sidecar"
-    assert [m.name for m in service.methods] == ["Turn", "Resume", "EndSession", "GetSession", "ForkSession", "PruneHistory",
-                                                  "GetServerInfo"]
+    assert [m.name for m in service.methods] == [
+        "Turn",
+        "Resume",
+        "EndSession",
+        "GetSession",
+        "ForkSession",
+        "PruneHistory",
+        "GetServerInfo",
+    ]
     assert service.methods_by_name["Turn"].server_streaming
     assert hasattr(sidecar_pb2_grpc, "SidecarStub")

@@ -23,7 +23,8 @@ def target():
     threading.Thread(target=loop.run_forever, daemon=True).start()
     endpoint = GrpcEndpoint(ServerOptions(host="127.0.0.1", port=0))
     port = asyncio.run_coroutine_threadsafe(
-        endpoint.start(grpc.method_handlers_generic_handler(SERVICE, {})), loop).result(60)
+        endpoint.start(grpc.method_handlers_generic_handler(SERVICE, {})), loop
+    ).result(60)
     yield f"127.0.0.1:{port}"
     asyncio.run_coroutine_threadsafe(endpoint.stop(0), loop).result(60)
     loop.call_soon_threadsafe(loop.stop)
@@ -31,9 +32,11 @@ def target():
 
 def _ask(target: str, service: str, *requests: rpb.ServerReflectionRequest) -> list[rpb.ServerReflectionResponse]:
     with grpc.insecure_channel(target) as channel:
-        call = channel.stream_stream(f"/{service}/ServerReflectionInfo",
-                                     request_serializer=rpb.ServerReflectionRequest.SerializeToString,
-                                     response_deserializer=rpb.ServerReflectionResponse.FromString)
+        call = channel.stream_stream(
+            f"/{service}/ServerReflectionInfo",
+            request_serializer=rpb.ServerReflectionRequest.SerializeToString,
+            response_deserializer=rpb.ServerReflectionResponse.FromString,
+        )
         return list(call(iter(requests), timeout=30))
 
 
@@ -44,9 +47,13 @@ def _file(response: rpb.ServerReflectionResponse) -> descriptor_pb2.FileDescript
 
 @pytest.mark.parametrize("service", [V1_SERVICE, ALPHA_SERVICE])
 def test_reflection_lists_and_describes_the_services(target, service):
-    listed, sidecar, v1 = _ask(target, service, rpb.ServerReflectionRequest(list_services=""),
-                               rpb.ServerReflectionRequest(file_containing_symbol=SERVICE),
-                               rpb.ServerReflectionRequest(file_containing_symbol=V1_SERVICE))
+    listed, sidecar, v1 = _ask(
+        target,
+        service,
+        rpb.ServerReflectionRequest(list_services=""),
+        rpb.ServerReflectionRequest(file_containing_symbol=SERVICE),
+        rpb.ServerReflectionRequest(file_containing_symbol=V1_SERVICE),
+    )
     names = {s.name for s in listed.list_services_response.service}
     assert {SERVICE, "grpc.health.v1.Health", V1_SERVICE, ALPHA_SERVICE} <= names
     f = _file(sidecar)

@@ -37,8 +37,15 @@ def redis_proc(tmp_path_factory):
 
 
 def stored(generation=1, blob=None) -> StoredSession:
-    record = {"session_id": "alpha/s", "generation": generation, "turn_index": 1, "tokens": bytes(range(16)),
-              "digest": "d", "fingerprint": "m|x", "method": {"method": "dense"}}
+    record = {
+        "session_id": "alpha/s",
+        "generation": generation,
+        "turn_index": 1,
+        "tokens": bytes(range(16)),
+        "digest": "d",
+        "fingerprint": "m|x",
+        "method": {"method": "dense"},
+    }
     return StoredSession(record=record, app={"requests": []}, kv=blob)
 
 
@@ -62,8 +69,9 @@ def _meta(store, key):
 def _write_meta(store, key, fields):
     if isinstance(store, DirectoryStore):
         store.folder(key).mkdir(parents=True, exist_ok=True)
-        (store.folder(key) / "meta").write_bytes(msgpack.packb({k.encode(): v for k, v in fields.items()},
-                                                               use_bin_type=True))
+        (store.folder(key) / "meta").write_bytes(
+            msgpack.packb({k.encode(): v for k, v in fields.items()}, use_bin_type=True)
+        )
     else:
         store.client.delete(store.meta_key(key))
         store.client.hset(store.meta_key(key), mapping=fields)
@@ -93,8 +101,9 @@ def test_hmac_store_refuses_tampering(signed_store, tmp_path):
 
     # an attacker who rewrites the manifest (sha256 sums) or the history fails the meta's MAC
     forged = dict(meta)
-    forged["kv"] = msgpack.packb({**manifest, "checksum": "sha256",
-                                  "sums": [hashlib.sha256(b"x").hexdigest()] * manifest["chunks"]})
+    forged["kv"] = msgpack.packb(
+        {**manifest, "checksum": "sha256", "sums": [hashlib.sha256(b"x").hexdigest()] * manifest["chunks"]}
+    )
     for change in ({"kv": forged["kv"]}, {"tokens": bytes(range(1, 17))}, {"turn_index": b"7"}):
         _write_meta(store, "alpha/s", {**meta, **change})
         with pytest.raises(SnapshotRejected, match="fails its HMAC"):
@@ -110,13 +119,17 @@ def test_hmac_store_refuses_tampering(signed_store, tmp_path):
         store.load("alpha/s")
     _write_meta(store, "alpha/s", meta)
     assert store.load("alpha/s", with_kv=False).generation == 1
-    other = type(store)(**({"root": store.root} if isinstance(store, DirectoryStore) else
-                           {"url": store.url, "prefix": store.prefix}), hmac_keys=SnapshotKeys([b"o" * 32]))
+    other = type(store)(
+        **({"root": store.root} if isinstance(store, DirectoryStore) else {"url": store.url, "prefix": store.prefix}),
+        hmac_keys=SnapshotKeys([b"o" * 32]),
+    )
     with pytest.raises(SnapshotRejected):
         other.load("alpha/s")
     # rotation: a store whose key file lists a new key first and the old one after reads old sessions
-    rotated = type(store)(**({"root": store.root} if isinstance(store, DirectoryStore) else
-                             {"url": store.url, "prefix": store.prefix}), hmac_keys=SnapshotKeys([b"n" * 32, KEY]))
+    rotated = type(store)(
+        **({"root": store.root} if isinstance(store, DirectoryStore) else {"url": store.url, "prefix": store.prefix}),
+        hmac_keys=SnapshotKeys([b"n" * 32, KEY]),
+    )
     assert rotated.load("alpha/s", with_kv=False).generation == 1
 
 
@@ -141,9 +154,15 @@ def server(smol_engine, redis_proc, tmp_path_factory):
     store = RedisStore(redis_proc.url, prefix="sec", hmac_keys=SnapshotKeys([KEY]))
     hooks = MetricsHooks(smol_engine)
     metrics_port = hooks.serve(0, "127.0.0.1")
-    options = ServerOptions(port=0, auth=Authenticator(TOKENS), snapshot_retry_max_s=0.5, resume_wait_s=1.0,
-                            tenant_limits=TenantLimits(max_sessions_per_tenant=3, max_tokens_per_turn=48,
-                                                       overrides={"beta": {"max_sessions_per_tenant": 2}}))
+    options = ServerOptions(
+        port=0,
+        auth=Authenticator(TOKENS),
+        snapshot_retry_max_s=0.5,
+        resume_wait_s=1.0,
+        tenant_limits=TenantLimits(
+            max_sessions_per_tenant=3, max_tokens_per_turn=48, overrides={"beta": {"max_sessions_per_tenant": 2}}
+        ),
+    )
     srv = ServerThread(smol_engine, options, store, hooks)
     port = srv.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -192,20 +211,27 @@ def test_tenants_cannot_touch_each_others_sessions(server):
     srv, stub, store, _ = server
     first = turn(stub, "shared-id", "Name a colour.")
     before = wait_committed(stub, "shared-id")
-    rid_req = pb.TurnRequest(session_id="shared-id", request_id="r-1", max_tokens=4,
-                             messages=[pb.Message(role="user", content="Another colour?")])
+    rid_req = pb.TurnRequest(
+        session_id="shared-id",
+        request_id="r-1",
+        max_tokens=4,
+        messages=[pb.Message(role="user", content="Another colour?")],
+    )
     list(stub.Turn(rid_req, metadata=ALPHA))
     before = wait_committed(stub, "shared-id")
     calls = {
         "GetSession": lambda: stub.GetSession(pb.GetSessionRequest(session_id="shared-id"), metadata=BETA),
         "Resume": lambda: stub.Resume(pb.ResumeRequest(session_id="shared-id"), metadata=BETA),
-        "ForkSession": lambda: stub.ForkSession(pb.ForkSessionRequest(session_id="shared-id", new_session_id="stolen"),
-                                                metadata=BETA),
+        "ForkSession": lambda: stub.ForkSession(
+            pb.ForkSessionRequest(session_id="shared-id", new_session_id="stolen"), metadata=BETA
+        ),
         "EndSession": lambda: stub.EndSession(pb.EndSessionRequest(session_id="shared-id"), metadata=BETA),
-        "EndSession(keep)": lambda: stub.EndSession(pb.EndSessionRequest(session_id="shared-id", keep_snapshot=True),
-                                                    metadata=BETA),
-        "PruneHistory": lambda: stub.PruneHistory(pb.PruneHistoryRequest(session_id="shared-id", start=0, end=4),
-                                                  metadata=BETA),
+        "EndSession(keep)": lambda: stub.EndSession(
+            pb.EndSessionRequest(session_id="shared-id", keep_snapshot=True), metadata=BETA
+        ),
+        "PruneHistory": lambda: stub.PruneHistory(
+            pb.PruneHistoryRequest(session_id="shared-id", start=0, end=4), metadata=BETA
+        ),
     }
     for name, call in calls.items():
         got = code_of(call) if name != "EndSession(keep)" else None
@@ -237,9 +263,11 @@ def test_tampered_snapshot_is_refused_with_data_loss(server, smol_engine):
     good_tokens = r.hget(meta_key, "tokens")
     r.hset(meta_key, "tokens", good_tokens[:-4] + (1234).to_bytes(4, "little"))  # an injected history token
     sessions_before = len(smol_engine.chains.chains)
-    for call in (lambda: stub.Resume(pb.ResumeRequest(session_id="victim"), metadata=ALPHA),
-                 lambda: stub.GetSession(pb.GetSessionRequest(session_id="victim"), metadata=ALPHA),
-                 lambda: turn(stub, "victim", "Go on.")):
+    for call in (
+        lambda: stub.Resume(pb.ResumeRequest(session_id="victim"), metadata=ALPHA),
+        lambda: stub.GetSession(pb.GetSessionRequest(session_id="victim"), metadata=ALPHA),
+        lambda: turn(stub, "victim", "Go on."),
+    ):
         assert code_of(call) == C.DATA_LOSS
     assert len(smol_engine.chains.chains) == sessions_before  # nothing reached the engine
     r.hset(meta_key, "tokens", good_tokens)  # restored: accepted again
@@ -256,8 +284,10 @@ def test_tenant_limits(server):
     for i in range(3):
         turn(stub, f"q{i}", "Hi.", max_tokens=2)
     assert code_of(lambda: turn(stub, "q3", "Hi.", max_tokens=2)) == C.RESOURCE_EXHAUSTED
-    assert code_of(lambda: stub.ForkSession(pb.ForkSessionRequest(session_id="q0", new_session_id="q0b"),
-                                            metadata=ALPHA)) == C.RESOURCE_EXHAUSTED
+    assert (
+        code_of(lambda: stub.ForkSession(pb.ForkSessionRequest(session_id="q0", new_session_id="q0b"), metadata=ALPHA))
+        == C.RESOURCE_EXHAUSTED
+    )
     assert turn(stub, "q1", "Again.", max_tokens=2).turn_index == 1  # existing sessions carry on
     assert turn(stub, "b0", "Hi.", max_tokens=2, metadata=BETA).turn_index == 0  # another tenant's quota
     assert turn(stub, "b1", "Hi.", max_tokens=2, metadata=BETA).turn_index == 0
@@ -278,8 +308,9 @@ def test_tenant_limits(server):
         stub.EndSession(pb.EndSessionRequest(session_id=sid), metadata=BETA)
     from sidecar.limits import TenantLimits
 
-    assert TenantLimits.parse_overrides(["batch:max_sessions_per_tenant=5,max_tokens_per_turn=9", "x:max_tokens_per_turn=2"]) \
-        == {"batch": {"max_sessions_per_tenant": 5, "max_tokens_per_turn": 9}, "x": {"max_tokens_per_turn": 2}}
+    assert TenantLimits.parse_overrides(
+        ["batch:max_sessions_per_tenant=5,max_tokens_per_turn=9", "x:max_tokens_per_turn=2"]
+    ) == {"batch": {"max_sessions_per_tenant": 5, "max_tokens_per_turn": 9}, "x": {"max_tokens_per_turn": 2}}
     for bad in (["batch"], ["batch:max_sessions_per_tenant"], ["b:max_sessions_per_tenant=x"]):
         with pytest.raises(ValueError):
             TenantLimits.parse_overrides(bad)
@@ -292,7 +323,9 @@ def test_metrics_on_the_side_port(server):
     turn(stub, "m", "Name a planet.", max_tokens=5, ignore_eos=True)
     turn(stub, "m", "And another.", max_tokens=5, ignore_eos=True)
     wait_committed(stub, "m")
-    pruned = stub.PruneHistory(pb.PruneHistoryRequest(session_id="m", prune_roles=["user"], prune_lag=0), metadata=ALPHA)
+    pruned = stub.PruneHistory(
+        pb.PruneHistoryRequest(session_id="m", prune_roles=["user"], prune_lag=0), metadata=ALPHA
+    )
     assert pruned.pruned_tokens > 0
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     from prometheus_client.parser import text_string_to_metric_families
@@ -340,12 +373,16 @@ def test_serve_settings_from_flags_env_and_yaml(tmp_path):
     from sidecar.serve_config import apply_settings
 
     cfg = tmp_path / "chainkv.yaml"
-    cfg.write_text("method: streaming_llm\nbudget: 64\nsnapshot_hmac_key_file: /etc/hmac\nmax_sessions_per_tenant: 3\n"
-                   "snapshot_kv: false\nauth_file: [/etc/tokens]\nmetrics_port: 9400\n")
+    cfg.write_text(
+        "method: streaming_llm\nbudget: 64\nsnapshot_hmac_key_file: /etc/hmac\nmax_sessions_per_tenant: 3\n"
+        "snapshot_kv: false\nauth_file: [/etc/tokens]\nmetrics_port: 9400\n"
+    )
     parser = build_parser()
     args = parser.parse_args(["serve", "--config", str(cfg), "--metrics-port", "9500"])
     apply_settings(args, parser, {"CHAINKV_MAX_SESSIONS_PER_TENANT": "5"})
-    assert args.snapshot_hmac_key_file == "/etc/hmac" and args.snapshot_kv is False and args.auth_file == ["/etc/tokens"]
+    assert (
+        args.snapshot_hmac_key_file == "/etc/hmac" and args.snapshot_kv is False and args.auth_file == ["/etc/tokens"]
+    )
     assert args.max_sessions_per_tenant == 5 and args.metrics_port == 9500  # env over YAML, flags over both
     assert engine_config_from_args(args).budget == 64
     args = parser.parse_args(["serve"])

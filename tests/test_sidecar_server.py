@@ -20,8 +20,7 @@ from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
 
 from redis_server import RedisProcess
-from tests.sidecar_proc import (ALPHA, BETA, TOKENS, Sidecar, committed, request, run, serving, turn_events,
-                                wait_for)
+from tests.sidecar_proc import ALPHA, BETA, TOKENS, Sidecar, committed, request, run, serving, turn_events, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -59,8 +58,9 @@ def local(smol_engine, redis_proc):
     from sidecar.server import ServerOptions, ServerThread
     from sidecar.store import RedisStore
 
-    options = ServerOptions(port=0, auth=Authenticator(TOKENS), snapshot_retry_max_s=0.5, resume_wait_s=1.0,
-                            max_message_bytes=1 << 20)
+    options = ServerOptions(
+        port=0, auth=Authenticator(TOKENS), snapshot_retry_max_s=0.5, resume_wait_s=1.0, max_message_bytes=1 << 20
+    )
     server = ServerThread(smol_engine, options, RedisStore(redis_proc.url))
     port = server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -218,8 +218,9 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(local, smol_
     server, stub, channel = local
     user = TURNS[1]
     raw = request("utf8", [("user", "ZZZZ")]).SerializeToString().replace(b"ZZZZ", b"\xff\xfe\xfd\xfc")
-    raw_turn = channel.unary_stream("/chainkv.v1.Sidecar/Turn", request_serializer=lambda b: b,
-                                    response_deserializer=pb.TurnEvent.FromString)
+    raw_turn = channel.unary_stream(
+        "/chainkv.v1.Sidecar/Turn", request_serializer=lambda b: b, response_deserializer=pb.TurnEvent.FromString
+    )
     too_long = [("user", "fruit " * (smol_engine.max_model_len + 10))]
     cases = [
         (lambda: run(stub, request("", user)), C.INVALID_ARGUMENT),
@@ -296,8 +297,12 @@ def test_redis_down_turns_still_run_snapshot_pending_then_written(local, replica
     try:
         second = run(stub, request("down", TURNS[1]))
         assert second.usage.source_tier == pb.TIER_GPU  # served from the accelerator
-        info = wait_for(lambda: (s := stub.GetSession(pb.GetSessionRequest(session_id="down"), metadata=ALPHA))
-                        .snapshot_error and s, what="the failed snapshot attempt")
+        info = wait_for(
+            lambda: (
+                (s := stub.GetSession(pb.GetSessionRequest(session_id="down"), metadata=ALPHA)).snapshot_error and s
+            ),
+            what="the failed snapshot attempt",
+        )
         assert info.snapshot_state == pb.SNAPSHOT_STATE_PENDING and info.committed_generation < info.generation
         with pytest.raises(grpc.RpcError) as e:
             b.stub.Resume(pb.ResumeRequest(session_id="down"), metadata=ALPHA)

@@ -33,9 +33,16 @@ def store(request, tmp_path):
 
 
 def session(generation: int, turn: int = 1, blob: bytes | None = None) -> StoredSession:
-    record = {"session_id": "tenant/s1", "generation": generation, "turn_index": turn, "tokens": bytes(range(16)),
-              "digest": "abc", "fingerprint": "model|x", "spans": [[0, 4, "user", 0, False]],
-              "method": {"method": "dense", "budget": None, "budget_ratio": None, "method_args": {}}}
+    record = {
+        "session_id": "tenant/s1",
+        "generation": generation,
+        "turn_index": turn,
+        "tokens": bytes(range(16)),
+        "digest": "abc",
+        "fingerprint": "model|x",
+        "spans": [[0, 4, "user", 0, False]],
+        "method": {"method": "dense", "budget": None, "budget_ratio": None, "method_args": {}},
+    }
     return StoredSession(record=record, app={"requests": [["r1", b"\x00\x01"]]}, kv=blob)
 
 

@@ -19,9 +19,28 @@ def cert(tmp_path_factory):
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
     d = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(d / "key.pem"),
-                    "-out", str(d / "cert.pem"), "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(d / "key.pem"),
+            "-out",
+            str(d / "cert.pem"),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return d / "cert.pem", d / "key.pem"
 
 
@@ -50,8 +69,9 @@ def test_tls_auth_and_no_store(smol_engine, cert):
         with grpc.insecure_channel(f"127.0.0.1:{port}") as plain:  # plaintext is refused
             with pytest.raises(grpc.RpcError) as e:
                 pb_stub = sidecar_pb2_grpc.SidecarStub(plain)
-                pb_stub.GetSession(pb.GetSessionRequest(session_id="tls"), metadata=[("authorization", "Bearer t0k")],
-                                   timeout=5)
+                pb_stub.GetSession(
+                    pb.GetSessionRequest(session_id="tls"), metadata=[("authorization", "Bearer t0k")], timeout=5
+                )
             assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     finally:
         server.stop(grace=1)

@@ -23,14 +23,28 @@ from engine.llm import LLMEngine, RequestError
 from engine.model.loader import load_hf_config, parse_hf_config
 from engine.sampling import SamplingParams
 
-METHODS = [MethodSpec("dense"), MethodSpec("snapkv", budget=32), MethodSpec("tova", budget=32),
-           MethodSpec("adakv", budget=32), MethodSpec("quest", budget=32)]
+METHODS = [
+    MethodSpec("dense"),
+    MethodSpec("snapkv", budget=32),
+    MethodSpec("tova", budget=32),
+    MethodSpec("adakv", budget=32),
+    MethodSpec("quest", budget=32),
+]
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
 def _config(path: str, tp: int) -> EngineConfig:
-    return EngineConfig(model=path, device="cpu", dtype="float32", tensor_parallel_size=tp, num_pages=3000,
-                        max_num_seqs=8, prefill_chunk_size=64, max_num_batched_tokens=256, max_model_len=512)
+    return EngineConfig(
+        model=path,
+        device="cpu",
+        dtype="float32",
+        tensor_parallel_size=tp,
+        num_pages=3000,
+        max_num_seqs=8,
+        prefill_chunk_size=64,
+        max_num_batched_tokens=256,
+        max_model_len=512,
+    )
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -48,8 +62,9 @@ def _turn(engine, sid, tokens, params, **kw):
 def scenarios(engine, out_path: str | None = None) -> dict:
     """Everything compared between TP=2 and TP=1 (run on rank 0's front door, or a plain engine)."""
     res: dict = {}
-    out = engine.generate(_prompt(40, 1), SamplingParams(max_tokens=4, ignore_eos=True, prompt_logits=True,
-                                                          return_logits=True))[0]
+    out = engine.generate(
+        _prompt(40, 1), SamplingParams(max_tokens=4, ignore_eos=True, prompt_logits=True, return_logits=True)
+    )[0]
     res["prompt_logits"], res["step_logits"] = out.prompt_logits, out.step_logits
     try:  # refused on every rank alike: rank 0 reports it, the followers carry on
         engine.add_request([5, 10**6], GREEDY)
@@ -150,7 +165,9 @@ def kill_a_follower_then_step(engine) -> None:
 
 
 @slow_tp
-@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"), reason="needs /proc children")
+@pytest.mark.skipif(
+    not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"), reason="needs /proc children"
+)
 def test_dying_rank_takes_the_group_down(tiny):
     t0 = time.monotonic()
     code = launch(_config(tiny, 2), kill_a_follower_then_step)

@@ -83,18 +83,20 @@ def test_decode_matches_reference(G, P):
     q = torch.randn(B, H * G, D, generator=torch.Generator().manual_seed(7)).to(DEV, DTYPE)
     tables, lengths = mgr.view_tables(torch.arange(B, device=DEV), 0, mgr.max_pages)
     view = AttentionView(tables, lengths, P)
-    ref, ref_p = ReferenceAttention().decode(pool, view, q, D ** -0.5, want_probs=True)
+    ref, ref_p = ReferenceAttention().decode(pool, view, q, D**-0.5, want_probs=True)
     for splits in (1, 3) if INTERPRETED else (1, 3, 8):
         rows = torch.arange(B, dtype=torch.int32, device=DEV)
         scores = torch.full((B, H * G, mgr.max_pages * P), float("-inf"), device=DEV)
         out = torch.full_like(q, float("nan"))
-        out, lse = paged_decode(q, pool.k, pool.v, tables, lengths, rows, D ** -0.5, splits=splits, scores=scores, out=out)
+        out, lse = paged_decode(
+            q, pool.k, pool.v, tables, lengths, rows, D**-0.5, splits=splits, scores=scores, out=out
+        )
         assert not torch.isnan(out).any()
         assert rel_err(out, ref) < TOL
         probs = torch.exp(scores - lse[..., None])
         assert float((probs - ref_p).abs().max()) < TOL
     # the backend (the engine's entry point) agrees as well
-    out, probs = TritonPagedAttention(DEV).decode(pool, view, q, D ** -0.5, want_probs=True)
+    out, probs = TritonPagedAttention(DEV).decode(pool, view, q, D**-0.5, want_probs=True)
     assert rel_err(out, ref) < TOL and float((probs - ref_p).abs().max()) < TOL
 
 
@@ -104,9 +106,9 @@ def test_decode_reads_global_tables_through_rows():
     pool, mgr = build(H, D, P, [[40, 90], [17, 5]], seed=3)
     q = torch.randn(2, H * G, D).to(DEV, DTYPE)
     rows = torch.tensor([1, 0], dtype=torch.int32, device=DEV)  # batch row b reads slot rows[b]
-    out, _ = paged_decode(q, pool.k, pool.v, mgr.tables_dev[:, 0], mgr.lengths_dev[:, 0], rows, D ** -0.5, splits=2)
+    out, _ = paged_decode(q, pool.k, pool.v, mgr.tables_dev[:, 0], mgr.lengths_dev[:, 0], rows, D**-0.5, splits=2)
     tables, lengths = mgr.view_tables(rows.long(), 0, mgr.max_pages)
-    ref, _ = ReferenceAttention().decode(pool, AttentionView(tables, lengths, P), q, D ** -0.5)
+    ref, _ = ReferenceAttention().decode(pool, AttentionView(tables, lengths, P), q, D**-0.5)
     assert rel_err(out, ref) < TOL
 
 
@@ -123,8 +125,8 @@ def test_sparse_page_lists(P):
     sel[1, 0, :3] = torch.tensor([4, 1, 0])  # any order; the last page is partly filled
     sel[1, 1, :1] = torch.tensor([2])
     sel = sel.to(DEV)
-    ref, _ = ReferenceAttention().decode(pool, AttentionView(tables, lengths, P, selected_pages=sel), q, D ** -0.5)
-    out, _ = TritonPagedAttention(DEV).decode(pool, AttentionView(tables, lengths, P, selected_pages=sel), q, D ** -0.5)
+    ref, _ = ReferenceAttention().decode(pool, AttentionView(tables, lengths, P, selected_pages=sel), q, D**-0.5)
+    out, _ = TritonPagedAttention(DEV).decode(pool, AttentionView(tables, lengths, P, selected_pages=sel), q, D**-0.5)
     assert rel_err(out, ref) < TOL
 
 
@@ -140,8 +142,8 @@ def test_prefill_matches_reference():
     tables, lengths = mgr.view_tables(torch.arange(1, device=DEV), 0, mgr.max_pages)
     view = AttentionView(tables, lengths, P)
     qpos = torch.arange(100, 100 + n, device=DEV)
-    ref, ref_w = ReferenceAttention().prefill(pool, view, q, qpos, D ** -0.5, probs_window=5)
-    out, w = TritonPagedAttention(DEV).prefill(pool, view, q, qpos, D ** -0.5, probs_window=5)
+    ref, ref_w = ReferenceAttention().prefill(pool, view, q, qpos, D**-0.5, probs_window=5)
+    out, w = TritonPagedAttention(DEV).prefill(pool, view, q, qpos, D**-0.5, probs_window=5)
     assert rel_err(out, ref) < TOL and float((w - ref_w).abs().max()) < TOL
 
 
@@ -175,7 +177,10 @@ def test_fused_decoder_ops_match_torch():
     ref = w * (ref_res.float() * torch.rsqrt(ref_res.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(DTYPE)
     assert rel_err(res, ref_res) < TOL and rel_err(out, ref) < TOL
     out2, same = ops._add_rms_norm_triton(x, None, w, 1e-5)
-    assert same is x and rel_err(out2, w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(DTYPE)) < TOL
+    assert (
+        same is x
+        and rel_err(out2, w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(DTYPE)) < TOL
+    )
 
     N, HQ, HK, D = 5, 8, 2, 64
     qkv = torch.randn(N, (HQ + 2 * HK) * D, generator=g).to(DEV, DTYPE)
@@ -187,7 +192,7 @@ def test_fused_decoder_ops_match_torch():
     cos, sin = torch.cat([ang, ang], -1).cos().to(DEV), torch.cat([ang, ang], -1).sin().to(DEV)
     ref_q, ref_k = (t.clone() for t in (q, k))
     c, s = cos[pos].to(DTYPE)[:, None], sin[pos].to(DTYPE)[:, None]
-    half = lambda t: torch.cat([-t[..., D // 2:], t[..., : D // 2]], -1)  # noqa: E731
+    half = lambda t: torch.cat([-t[..., D // 2 :], t[..., : D // 2]], -1)  # noqa: E731
     ref_q, ref_k = ref_q * c + half(ref_q) * s, ref_k * c + half(ref_k) * s
     ops._rope_triton(q, k, pos, cos, sin)  # in place, through the strided views
     assert rel_err(q, ref_q) < TOL and rel_err(k, ref_k) < TOL
@@ -206,16 +211,18 @@ def test_empty_rows_give_zeros_and_hidden_slots_are_never_read():
     mgr.open("empty")
     rows = torch.tensor([0, mgr.slot("empty")], dtype=torch.int32, device=DEV)
     q = torch.randn(2, H * G, D).to(DEV, DTYPE)
-    out, _ = paged_decode(q, pool.k, pool.v, mgr.tables_dev[:, 0], mgr.lengths_dev[:, 0], rows, D ** -0.5, splits=3)
+    out, _ = paged_decode(q, pool.k, pool.v, mgr.tables_dev[:, 0], mgr.lengths_dev[:, 0], rows, D**-0.5, splits=3)
     assert bool(torch.isfinite(out).all()) and float(out[1].abs().max()) == 0
 
     n = 8
     slots = mgr.append([0], [n], torch.arange(100, 100 + n))
-    TritonPagedAttention(DEV).store_kv(pool, slots[0], torch.randn(n, H, D).to(DEV, DTYPE), torch.randn(n, H, D).to(DEV, DTYPE))
+    TritonPagedAttention(DEV).store_kv(
+        pool, slots[0], torch.randn(n, H, D).to(DEV, DTYPE), torch.randn(n, H, D).to(DEV, DTYPE)
+    )
     tables, lengths = mgr.view_tables(torch.arange(1, device=DEV), 0, mgr.max_pages)
     view = AttentionView(tables, lengths, P)
     qn, qpos = torch.randn(n, H * G, D).to(DEV, DTYPE), torch.arange(100, 100 + n, device=DEV)
-    clean, _ = TritonPagedAttention(DEV).prefill(pool, view, qn, qpos, D ** -0.5)
+    clean, _ = TritonPagedAttention(DEV).prefill(pool, view, qn, qpos, D**-0.5)
     readable = view.readable()[0]
     flat = (tables[0].long().clamp(min=0)[..., None] * P + torch.arange(P, device=DEV)).reshape(H, -1)
     hidden = flat[~readable].unique()
@@ -223,7 +230,7 @@ def test_empty_rows_give_zeros_and_hidden_slots_are_never_read():
     assert hidden.numel()
     pool.k.view(-1, D)[hidden] = float("nan")
     pool.v.view(-1, D)[hidden] = float("nan")
-    dirty, _ = TritonPagedAttention(DEV).prefill(pool, view, qn, qpos, D ** -0.5)
+    dirty, _ = TritonPagedAttention(DEV).prefill(pool, view, qn, qpos, D**-0.5)
     assert torch.equal(clean, dirty)
 
 

@@ -26,8 +26,11 @@ def spec_for(name: str, tmp_path) -> MethodSpec:
     cls = REGISTRY[name]
     if name == "duo_attention":  # the tiny model has no shipped head pattern: half its heads streaming
         path = tmp_path / "duo.json"
-        path.write_text(json.dumps({"num_layers": 3, "num_kv_heads": 2, "head_dim": 16,
-                                    "scores": [[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]]}))
+        path.write_text(
+            json.dumps(
+                {"num_layers": 3, "num_kv_heads": 2, "head_dim": 16, "scores": [[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]]}
+            )
+        )
         return MethodSpec(name, method_args={"pattern": str(path), "n_sink": 4, "n_recent": 24})
     if name == "kivi":  # value groups must divide head_dim 16; a short window so most pages are sealed
         return MethodSpec(name, method_args={"value_group": 8, "residual_length": 8})
@@ -47,8 +50,12 @@ def session(engine: LLMEngine, spec: MethodSpec) -> tuple[list[int], torch.Tenso
     second = torch.randint(0, 320, (37,), generator=gen).tolist()
     tokens, logits = [], []
     for prompt in (first, second):
-        engine.add_turn("s", prompt, SamplingParams(max_tokens=10, ignore_eos=True, prompt_logits=True,
-                                                    return_logits=True), method=spec)
+        engine.add_turn(
+            "s",
+            prompt,
+            SamplingParams(max_tokens=10, ignore_eos=True, prompt_logits=True, return_logits=True),
+            method=spec,
+        )
         seq = engine._seqs["s"]
         while engine.has_unfinished():
             engine.step()
@@ -64,8 +71,18 @@ def test_nan_in_unwritten_slots_changes_nothing(name, tiny_models, tmp_path):
     spec = spec_for(name, tmp_path)
     runs = []
     for poisoned in (False, True):
-        engine = LLMEngine(EngineConfig(model=path, method=name, method_args=dict(spec.method_args), budget=spec.budget,
-                                        num_pages=600, page_size=4, prefill_chunk_size=64, max_num_batched_tokens=256))
+        engine = LLMEngine(
+            EngineConfig(
+                model=path,
+                method=name,
+                method_args=dict(spec.method_args),
+                budget=spec.budget,
+                num_pages=600,
+                page_size=4,
+                prefill_chunk_size=64,
+                max_num_batched_tokens=256,
+            )
+        )
         if poisoned:
             poison(engine)
         runs.append(session(engine, spec))

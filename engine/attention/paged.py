@@ -40,9 +40,19 @@ class PrefillSegment:
 
 
 class PagedAttention:
-    def __init__(self, manager: CacheManager, controller: SparseController, backend, scale: float,
-                 decode_ids: list[Hashable], decode_num_tokens: list[int], segments: list[PrefillSegment],
-                 slot_mapping: torch.Tensor, positions: torch.Tensor, query_windows: dict | None = None):
+    def __init__(
+        self,
+        manager: CacheManager,
+        controller: SparseController,
+        backend,
+        scale: float,
+        decode_ids: list[Hashable],
+        decode_num_tokens: list[int],
+        segments: list[PrefillSegment],
+        slot_mapping: torch.Tensor,
+        positions: torch.Tensor,
+        query_windows: dict | None = None,
+    ):
         self.manager = manager
         self.controller = controller
         self.backend = backend
@@ -77,7 +87,9 @@ class PagedAttention:
             window.push(layer, q[i : i + 1])
         return out
 
-    def _view(self, slots_host: torch.Tensor, slots_dev: torch.Tensor, layer: int, sel: Selection | None) -> AttentionView:
+    def _view(
+        self, slots_host: torch.Tensor, slots_dev: torch.Tensor, layer: int, sel: Selection | None
+    ) -> AttentionView:
         P = self.manager.page_size
         num_pages = int(ceil_div(int(self.manager.lengths[slots_host, layer].max()), P))
         tables, lengths = self.manager.view_tables(slots_dev, layer, max(num_pages, 1))
@@ -89,16 +101,30 @@ class PagedAttention:
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         host_lengths = self.manager.lengths[self._decode_slots, layer]
         view = self._view(self._decode_slots, self._decode_slots_dev, layer, None)
-        batch = DecodeBatch(layer=layer, seq_ids=self.decode_ids, num_tokens=self.decode_num_tokens, q=q,
-                            lengths=host_lengths, cache=self.manager, k=k, tables=view.tables,
-                            device_lengths=view.lengths)
+        batch = DecodeBatch(
+            layer=layer,
+            seq_ids=self.decode_ids,
+            num_tokens=self.decode_num_tokens,
+            q=q,
+            lengths=host_lengths,
+            cache=self.manager,
+            k=k,
+            tables=view.tables,
+            device_lengths=view.lengths,
+        )
         parts = self.controller.decode_selections(layer, self._groups, batch)
         if parts:
             if self.controller.move_tiers(layer, parts, batch):  # offload / fetch changed the tables
                 view = self._view(self._decode_slots, self._decode_slots_dev, layer, None)
             sel = self.controller.merge_selections(parts, batch)
             view.selected_pages, view.token_mask = sel.selected_pages, sel.token_mask
-        out, probs = self.backend.decode(self.manager.pool, view, q, self.scale, want_probs=self._decode_probs and self.controller.decode_needs_probs_at(self._groups, layer))
+        out, probs = self.backend.decode(
+            self.manager.pool,
+            view,
+            q,
+            self.scale,
+            want_probs=self._decode_probs and self.controller.decode_needs_probs_at(self._groups, layer),
+        )
         batch.probs = probs
         self.controller.after_decode(layer, self._groups, batch)
         return out
@@ -116,16 +142,39 @@ class PagedAttention:
         chunk_kv = None if self.manager.pool.format.plain else (k, v)
         lengths = self.manager.lengths[seg.slot, layer]
         uniform = int(lengths[0]) if sel is None and bool((lengths == lengths[0]).all()) else None
-        out, probs = self.backend.prefill(self.manager.pool, view, q, qpos, self.scale, probs_window=window,
-                                          chunk_kv=chunk_kv, uniform_length=uniform)
+        out, probs = self.backend.prefill(
+            self.manager.pool, view, q, qpos, self.scale, probs_window=window, chunk_kv=chunk_kv, uniform_length=uniform
+        )
         if scoring:
-            chunk = PrefillChunk(seq_id=seg.seq_id, layer=layer, start=seg.start, length=seg.length, is_last=False,
-                                 q=q, k=k, v=v, probs=probs, lengths=self.manager.lengths[seg.slot, layer].clone(),
-                                 cache=self.manager, context_lengths=seg.context_lengths[layer])
+            chunk = PrefillChunk(
+                seq_id=seg.seq_id,
+                layer=layer,
+                start=seg.start,
+                length=seg.length,
+                is_last=False,
+                q=q,
+                k=k,
+                v=v,
+                probs=probs,
+                lengths=self.manager.lengths[seg.slot, layer].clone(),
+                cache=self.manager,
+                context_lengths=seg.context_lengths[layer],
+            )
             self.controller.observe_scoring(layer, chunk)
         elif self.controller.wants_after_prefill(seg.seq_id):
-            chunk = PrefillChunk(seq_id=seg.seq_id, layer=layer, start=seg.start, length=seg.length, is_last=seg.is_last,
-                                 q=q, k=k, v=v, probs=probs, lengths=self.manager.lengths[seg.slot, layer].clone(),
-                                 cache=self.manager, protected=self.controller.protected_len(seg.seq_id))
+            chunk = PrefillChunk(
+                seq_id=seg.seq_id,
+                layer=layer,
+                start=seg.start,
+                length=seg.length,
+                is_last=seg.is_last,
+                q=q,
+                k=k,
+                v=v,
+                probs=probs,
+                lengths=self.manager.lengths[seg.slot, layer].clone(),
+                cache=self.manager,
+                protected=self.controller.protected_len(seg.seq_id),
+            )
             self.controller.after_prefill_chunk(layer, chunk)
         return out

@@ -49,8 +49,9 @@ class ReferenceAttention:
         """Write new tokens' K/V (``[N, H, D]``) at flat pool indices ``slots`` (``[N, H]``)."""
         pool.write_tokens(slots, k, v)
 
-    def decode(self, pool: PagePool, view: AttentionView, q: torch.Tensor, scale: float,
-               want_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def decode(
+        self, pool: PagePool, view: AttentionView, q: torch.Tensor, scale: float, want_probs: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One query per sequence: q ``[B, Hq, D]`` -> out ``[B, Hq, D]``, probs ``[B, Hq, T]``."""
         B, Hq, D = q.shape
         H = view.tables.shape[1]
@@ -62,9 +63,17 @@ class ReferenceAttention:
         out = torch.einsum("bhgt,bhtd->bhgd", probs, v.float()).reshape(B, Hq, D).to(q.dtype)
         return out, (probs.reshape(B, Hq, -1) if want_probs else None)
 
-    def prefill(self, pool: PagePool, view: AttentionView, q: torch.Tensor, q_pos: torch.Tensor, scale: float,
-                probs_window: int = 0, chunk_kv: tuple | None = None,
-                uniform_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def prefill(
+        self,
+        pool: PagePool,
+        view: AttentionView,
+        q: torch.Tensor,
+        q_pos: torch.Tensor,
+        scale: float,
+        probs_window: int = 0,
+        chunk_kv: tuple | None = None,
+        uniform_length: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A chunk of one sequence (view of batch 1): q ``[n, Hq, D]`` at positions ``q_pos`` ``[n]``.
         ``chunk_kv``: the chunk's own K/V ``[n, H, D]`` in full precision, read instead of their
         stored (quantized) copies, as KIVI prefills. ``uniform_length``: every head holds this many

@@ -38,18 +38,38 @@ _VARIABLE_SHAPE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATT
 
 @triton.jit
 def _decode_partial_kernel(
-    Q, stride_qb, stride_qh,
-    K, V,
-    Tables, stride_tr, stride_th,
-    Lengths, stride_lr, stride_lh,
+    Q,
+    stride_qb,
+    stride_qh,
+    K,
+    V,
+    Tables,
+    stride_tr,
+    stride_th,
+    Lengths,
+    stride_lr,
+    stride_lh,
     Rows,
-    Sel, stride_sb, stride_sh, SelCount,
-    Acc, Mx, Sm,
-    Scores, stride_scb, stride_sch,
+    Sel,
+    stride_sb,
+    stride_sh,
+    SelCount,
+    Acc,
+    Mx,
+    Sm,
+    Scores,
+    stride_scb,
+    stride_sch,
     scale,
-    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    P: tl.constexpr,
     SPLITS,  # a runtime value: the split count follows the batch, and a new value must not compile a kernel
-    BLOCK_T: tl.constexpr, HAS_SEL: tl.constexpr, WRITE_SCORES: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HAS_SEL: tl.constexpr,
+    WRITE_SCORES: tl.constexpr,
     PREC: tl.constexpr,
 ):
     bh = tl.program_id(0)
@@ -129,8 +149,21 @@ def _decode_reduce_kernel(Acc, Mx, Sm, Out, Lse, SPLITS, SP: tl.constexpr, D: tl
 
 
 @triton.jit
-def _store_kv_kernel(Knew, Vnew, Slots, K, V, n_rows, stride_kn, stride_kh, stride_vn, stride_vh,
-                     H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr):
+def _store_kv_kernel(
+    Knew,
+    Vnew,
+    Slots,
+    K,
+    V,
+    n_rows,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # r = token * H + head
     rmask = r < n_rows
     d = tl.arange(0, D)
@@ -175,12 +208,25 @@ def num_splits(batch_heads: int, max_tokens: int, num_sms: int, block_t: int) ->
     return int(max(1, min(want, triton.cdiv(max(max_tokens, 1), block_t), 256)))
 
 
-def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                 lengths: torch.Tensor, rows: torch.Tensor, scale: float, *, splits: int,
-                 selected: torch.Tensor | None = None, selected_count: torch.Tensor | None = None,
-                 scores: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                 workspace: tuple | None = None, block_t: int | None = None, num_warps: int = 4,
-                 num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+def paged_decode(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    rows: torch.Tensor,
+    scale: float,
+    *,
+    splits: int,
+    selected: torch.Tensor | None = None,
+    selected_count: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    workspace: tuple | None = None,
+    block_t: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention for ``q`` ``[B, Hq, D]``; ``tables`` ``[R, H, *]`` and ``lengths`` ``[R, H]``
     are read at row ``rows[b]`` (any strides). Returns out ``[B, Hq, D]`` and lse ``[B, Hq]``; fills
     ``scores`` ``[B, Hq, T]`` (pre-filled with -inf) with raw logits when given."""
@@ -203,20 +249,45 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     sel_count = selected_count if has_sel else rows
     sc = scores if scores is not None else acc
     _decode_partial_kernel[(B * H, splits)](
-        q, q.stride(0), q.stride(1), k_pool, v_pool,
-        tables, tables.stride(0), tables.stride(1),
-        lengths, lengths.stride(0), lengths.stride(1),
+        q,
+        q.stride(0),
+        q.stride(1),
+        k_pool,
+        v_pool,
+        tables,
+        tables.stride(0),
+        tables.stride(1),
+        lengths,
+        lengths.stride(0),
+        lengths.stride(1),
         rows,
-        sel, sel.stride(0) if has_sel else 0, sel.stride(1) if has_sel else 0, sel_count,
-        acc, mx, sm,
-        sc, sc.stride(0) if scores is not None else 0, sc.stride(1) if scores is not None else 0,
+        sel,
+        sel.stride(0) if has_sel else 0,
+        sel.stride(1) if has_sel else 0,
+        sel_count,
+        acc,
+        mx,
+        sm,
+        sc,
+        sc.stride(0) if scores is not None else 0,
+        sc.stride(1) if scores is not None else 0,
         scale,
-        H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, P=P, SPLITS=splits, BLOCK_T=BT,
-        HAS_SEL=has_sel, WRITE_SCORES=scores is not None,
+        H=H,
+        G=G,
+        GP=max(16, triton.next_power_of_2(G)),
+        D=D,
+        P=P,
+        SPLITS=splits,
+        BLOCK_T=BT,
+        HAS_SEL=has_sel,
+        WRITE_SCORES=scores is not None,
         PREC="ieee" if k_pool.dtype == torch.float32 else "tf32",  # float32 pools (parity tests) stay exact
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
-    _decode_reduce_kernel[(B * Hq,)](acc, mx, sm, out, lse, SPLITS=splits, SP=max(2, triton.next_power_of_2(splits)), D=D)
+    _decode_reduce_kernel[(B * Hq,)](
+        acc, mx, sm, out, lse, SPLITS=splits, SP=max(2, triton.next_power_of_2(splits)), D=D
+    )
     return out, lse
 
 
@@ -229,8 +300,9 @@ def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k:
         return
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and slots.is_contiguous()
     BLOCK_R = 16
-    _store_kv_kernel[(triton.cdiv(n, BLOCK_R),)](k, v, slots, k_pool, v_pool, n, k.stride(0), k.stride(1),
-                                                  v.stride(0), v.stride(1), H=H, D=D, BLOCK_R=BLOCK_R)
+    _store_kv_kernel[(triton.cdiv(n, BLOCK_R),)](
+        k, v, slots, k_pool, v_pool, n, k.stride(0), k.stride(1), v.stride(0), v.stride(1), H=H, D=D, BLOCK_R=BLOCK_R
+    )
 
 
 class TritonPagedAttention:
@@ -248,8 +320,9 @@ class TritonPagedAttention:
             return
         store_kv(pool.k, pool.v, slots.contiguous(), k.to(pool.dtype), v.to(pool.dtype))
 
-    def decode(self, pool: PagePool, view: AttentionView, q: torch.Tensor, scale: float,
-               want_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def decode(
+        self, pool: PagePool, view: AttentionView, q: torch.Tensor, scale: float, want_probs: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, Hq, D = q.shape
         H, NP = view.tables.shape[1], view.tables.shape[2]
         P = pool.page_size
@@ -270,16 +343,35 @@ class TritonPagedAttention:
         scores = None
         if want_probs:
             scores = torch.full((B, Hq, NP * P), float("-inf"), dtype=torch.float32, device=q.device)
-        out, lse = paged_decode(q.contiguous(), pool.k, pool.v, view.tables, view.lengths, rows, scale, splits=splits,
-                                selected=selected, selected_count=count, scores=scores)
+        out, lse = paged_decode(
+            q.contiguous(),
+            pool.k,
+            pool.v,
+            view.tables,
+            view.lengths,
+            rows,
+            scale,
+            splits=splits,
+            selected=selected,
+            selected_count=count,
+            scores=scores,
+        )
         probs = None
         if want_probs:
             probs = torch.exp(scores - lse[..., None])
         return out, probs
 
-    def prefill(self, pool: PagePool, view: AttentionView, q: torch.Tensor, q_pos: torch.Tensor, scale: float,
-                probs_window: int = 0, chunk_kv: tuple | None = None,
-                uniform_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def prefill(
+        self,
+        pool: PagePool,
+        view: AttentionView,
+        q: torch.Tensor,
+        q_pos: torch.Tensor,
+        scale: float,
+        probs_window: int = 0,
+        chunk_kv: tuple | None = None,
+        uniform_length: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         n, Hq, D = q.shape
         H, NP = view.tables.shape[1], view.tables.shape[2]
         G = Hq // H
@@ -292,8 +384,13 @@ class TritonPagedAttention:
             k, v = pool.read_pages(pages)
             k, v = k.reshape(H, -1, D)[:, :T], v.reshape(H, -1, D)[:, :T]
             with sdpa_kernel(_VARIABLE_SHAPE_BACKENDS):
-                out = F.scaled_dot_product_attention(qh, k[:, None].expand(H, G, T, D), v[:, None].expand(H, G, T, D),
-                                                     attn_mask=causal_lower_right(n, T), scale=scale)
+                out = F.scaled_dot_product_attention(
+                    qh,
+                    k[:, None].expand(H, G, T, D),
+                    v[:, None].expand(H, G, T, D),
+                    attn_mask=causal_lower_right(n, T),
+                    scale=scale,
+                )
             window_mask = None
             if probs_window > 0:
                 w = min(probs_window, n)
@@ -306,9 +403,14 @@ class TritonPagedAttention:
                 overlay_chunk(k, v, view.lengths[0], chunk_kv)
             mask = readable[:, None, :] & (kpos[:, None, :] <= q_pos[None, :, None])  # [H, n, T]
             with sdpa_kernel(_VARIABLE_SHAPE_BACKENDS):
-                out = F.scaled_dot_product_attention(qh, k[:, None].expand(H, G, T, D), v[:, None].expand(H, G, T, D),
-                                                     attn_mask=mask[:, None], scale=scale)
-            window_mask = mask[:, None, n - min(probs_window, n):] if probs_window > 0 else None
+                out = F.scaled_dot_product_attention(
+                    qh,
+                    k[:, None].expand(H, G, T, D),
+                    v[:, None].expand(H, G, T, D),
+                    attn_mask=mask[:, None],
+                    scale=scale,
+                )
+            window_mask = mask[:, None, n - min(probs_window, n) :] if probs_window > 0 else None
         out = out.reshape(Hq, n, D).permute(1, 0, 2).contiguous()
         window = None
         if probs_window > 0:
@@ -326,7 +428,9 @@ def gather_tokens(pool: PagePool, src: torch.Tensor):
     vout = torch.empty_like(kout)
     pout = torch.empty(n, dtype=torch.int32, device=pool.device)
     if n:
-        _gather_tokens_kernel[(triton.cdiv(n, 32),)](pool.k, pool.v, pool.pos, src, kout, vout, pout, n, D=D, BLOCK_R=32)
+        _gather_tokens_kernel[(triton.cdiv(n, 32),)](
+            pool.k, pool.v, pool.pos, src, kout, vout, pout, n, D=D, BLOCK_R=32
+        )
     return kout, vout, pout
 
 
@@ -334,8 +438,9 @@ def scatter_tokens(pool: PagePool, dst: torch.Tensor, data) -> None:
     kin, vin, pin = data
     n = dst.numel()
     if n:
-        _scatter_tokens_kernel[(triton.cdiv(n, 32),)](pool.k, pool.v, pool.pos, dst, kin, vin, pin, n,
-                                                      D=pool.head_dim, BLOCK_R=32)
+        _scatter_tokens_kernel[(triton.cdiv(n, 32),)](
+            pool.k, pool.v, pool.pos, dst, kin, vin, pin, n, D=pool.head_dim, BLOCK_R=32
+        )
 
 
 __all__ = ["TritonPagedAttention", "paged_decode", "store_kv", "gather_tokens", "scatter_tokens", "num_splits"]

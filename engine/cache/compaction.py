@@ -66,8 +66,9 @@ def mask_from_indices(pieces: Sequence[torch.Tensor], lengths: torch.Tensor, dev
     on_dev = [i for i in range(R) if pieces[i].device.type != "cpu"]
     if on_dev:
         flat = torch.cat([pieces[i].reshape(-1).to(torch.int64) for i in on_dev])
-        row = to_device(torch.repeat_interleave(torch.tensor(on_dev), torch.tensor([counts[i] for i in on_dev])),
-                        flat.device)
+        row = to_device(
+            torch.repeat_interleave(torch.tensor(on_dev), torch.tensor([counts[i] for i in on_dev])), flat.device
+        )
         limit = to_device(lengths.to(torch.int64), flat.device)[row]
         flat = torch.where((flat >= 0) & (flat < limit), flat, T)  # outside its row: dropped
         _set(mask, row, flat, device)
@@ -78,8 +79,14 @@ def _set(mask: torch.Tensor, row: torch.Tensor, col: torch.Tensor, device) -> No
     mask[to_device(row, mask.device), to_device(col, mask.device)] = True
 
 
-def compact(manager, slots: torch.Tensor, layers: torch.Tensor, heads: torch.Tensor, keep: torch.Tensor,
-            protect: torch.Tensor | None = None) -> CompactionResult:
+def compact(
+    manager,
+    slots: torch.Tensor,
+    layers: torch.Tensor,
+    heads: torch.Tensor,
+    keep: torch.Tensor,
+    protect: torch.Tensor | None = None,
+) -> CompactionResult:
     """Keep ``keep[r]`` of row ``(slots[r], layers[r], heads[r])`` (host int64 ``[R]`` each, rows
     distinct, none with pages on the host tier; ``keep`` ``[R, T]`` bool on the pool's device, ``T``
     at least the longest row). ``protect`` ``[R]`` (host): leading tokens each row keeps whatever
@@ -174,8 +181,9 @@ class CompactionOps:
         """Evict in one layer of several sequences at once; returns the pages freed (net)."""
         return self.compact([(seq_id, layer, keep) for seq_id, keep in items]).pages_freed
 
-    def compact(self, items: Sequence[tuple[Hashable, int, Keep]],
-                protected: Mapping[Hashable, int] | None = None) -> CompactionResult:
+    def compact(
+        self, items: Sequence[tuple[Hashable, int, Keep]], protected: Mapping[Hashable, int] | None = None
+    ) -> CompactionResult:
         """Carry out keep decisions ``(seq_id, layer, keep)`` of any sequences and layers in one
         compaction (engine/cache/compaction.py). ``protected``: leading tokens of a sequence that
         every head keeps whatever its decision says (a shared prefix)."""
@@ -208,8 +216,14 @@ class CompactionOps:
         protect = torch.tensor(prot).repeat_interleave(H) if any(prot) else None
         return compact(self, slots, layers, heads, mask, protect)
 
-    def compact_mask(self, slots: torch.Tensor, layers: torch.Tensor, heads: torch.Tensor, keep: torch.Tensor,
-                     protect: torch.Tensor | None = None) -> CompactionResult:
+    def compact_mask(
+        self,
+        slots: torch.Tensor,
+        layers: torch.Tensor,
+        heads: torch.Tensor,
+        keep: torch.Tensor,
+        protect: torch.Tensor | None = None,
+    ) -> CompactionResult:
         """The same with the decision as a keep mask ``[R, T]`` over rows (slot, layer, head)."""
         if getattr(self, "host_tables", None) is not None:
             seq_at = {s: q for q, s in self._slot_of.items()}
@@ -225,5 +239,6 @@ class CompactionOps:
         slots = torch.full((L * H,), s)
         layers = torch.arange(L).repeat_interleave(H)
         heads = torch.arange(H).repeat(L)
-        return self.compact_mask(slots, layers, heads, keep.reshape(L * H, -1),
-                                 torch.full((L * H,), protect) if protect else None)
+        return self.compact_mask(
+            slots, layers, heads, keep.reshape(L * H, -1), torch.full((L * H,), protect) if protect else None
+        )

@@ -219,7 +219,9 @@ class FP8Format(KVFormat):
     def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.float()
         scale = (x.abs().amax(-1) / self.max_code).clamp(min=2**-24).half()  # the smallest float16 > 0
-        codes = (x / scale.float()[..., None]).clamp(-self.max_code, self.max_code).to(self.code_dtype).view(torch.uint8)
+        codes = (
+            (x / scale.float()[..., None]).clamp(-self.max_code, self.max_code).to(self.code_dtype).view(torch.uint8)
+        )
         return codes, scale
 
     def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -238,12 +240,19 @@ class FP8Format(KVFormat):
 
     def read_tokens(self, slots):
         D = self.head_dim
-        return (self._dequantize(self.kq.view(-1, D)[slots], self.ks.view(-1)[slots]),
-                self._dequantize(self.vq.view(-1, D)[slots], self.vs.view(-1)[slots]))
+        return (
+            self._dequantize(self.kq.view(-1, D)[slots], self.ks.view(-1)[slots]),
+            self._dequantize(self.vq.view(-1, D)[slots], self.vs.view(-1)[slots]),
+        )
 
     def take_tokens(self, slots):
         D = self.head_dim
-        return (self.kq.view(-1, D)[slots], self.ks.view(-1)[slots], self.vq.view(-1, D)[slots], self.vs.view(-1)[slots])
+        return (
+            self.kq.view(-1, D)[slots],
+            self.ks.view(-1)[slots],
+            self.vq.view(-1, D)[slots],
+            self.vs.view(-1)[slots],
+        )
 
     def put_tokens(self, slots, data):
         D = self.head_dim
@@ -359,8 +368,10 @@ class KIVIFormat(KVFormat):
         kstat = self.kstat[flat].float()
         k = self._unpack(self.kq[flat]).float() * kstat[:, None, 0] + kstat[:, None, 1]
         vstat = self.vstat[flat].float()  # [n, P, 2, D/g]
-        v = (self._unpack(self.vq[flat]).float().reshape(n, P, D // g, g) * vstat[:, :, 0, :, None]
-             + vstat[:, :, 1, :, None]).reshape(n, P, D)
+        v = (
+            self._unpack(self.vq[flat]).float().reshape(n, P, D // g, g) * vstat[:, :, 0, :, None]
+            + vstat[:, :, 1, :, None]
+        ).reshape(n, P, D)
         so = self.stage_of_dev[flat]
         opened = (so >= 0)[:, None, None]
         st = self.staging[so.clamp(min=0)]
@@ -414,7 +425,9 @@ class KIVIFormat(KVFormat):
         new = (cur < 0).nonzero().flatten()
         if new.numel():
             if new.numel() > len(self._free_stage):
-                raise OutOfPages(f"kivi: {new.numel()} open pages need staging, {len(self._free_stage)} staging pages free")
+                raise OutOfPages(
+                    f"kivi: {new.numel()} open pages need staging, {len(self._free_stage)} staging pages free"
+                )
             got = torch.tensor([self._free_stage.pop() for _ in range(new.numel())], dtype=torch.int64)
             cur[new] = got
             self.stage_of[pages[new]] = got

@@ -33,8 +33,11 @@ class HostTier:
 
     def _grow(self, capacity: int) -> None:
         P, D = self.page_size, self.head_dim
-        k, v, pos = self._buffer(capacity, P, D, dtype=self.dtype), self._buffer(capacity, P, D, dtype=self.dtype), \
-            self._buffer(capacity, P, dtype=torch.int32)
+        k, v, pos = (
+            self._buffer(capacity, P, D, dtype=self.dtype),
+            self._buffer(capacity, P, D, dtype=self.dtype),
+            self._buffer(capacity, P, dtype=torch.int32),
+        )
         if self.capacity:
             with torch.inference_mode(False):
                 k[: self.capacity], v[: self.capacity], pos[: self.capacity] = self.k, self.v, self.pos

@@ -131,8 +131,13 @@ class CacheManager(HostTierOps, CompactionOps, ForkSnapshotOps, PageTables):
         freed = self.pool.decref(table[tail])
         table[tail] = -1
         L, H = self.num_layers, self.num_kv_heads
-        self.set_rows(torch.full((L * H,), s), torch.arange(L).repeat_interleave(H), torch.arange(H).repeat(L),
-                      table.reshape(L * H, -1).to(torch.int32), new.reshape(-1).to(torch.int32))
+        self.set_rows(
+            torch.full((L * H,), s),
+            torch.arange(L).repeat_interleave(H),
+            torch.arange(H).repeat(L),
+            table.reshape(L * H, -1).to(torch.int32),
+            new.reshape(-1).to(torch.int32),
+        )
         return freed
 
     # --- reading ---------------------------------------------------------------------------------
@@ -174,5 +179,7 @@ class CacheManager(HostTierOps, CompactionOps, ForkSnapshotOps, PageTables):
         k = k.reshape(H, npages * P, D)[:, :T]
         v = v.reshape(H, npages * P, D)[:, :T]
         pos = pp.reshape(H, npages * P)[:, :T].clone()
-        pos.masked_fill_(torch.arange(T, device=pos.device)[None, :] >= lengths[:, None], -1)  # no mask indexing: no sync
+        pos.masked_fill_(
+            torch.arange(T, device=pos.device)[None, :] >= lengths[:, None], -1
+        )  # no mask indexing: no sync
         return k, v, pos, lengths

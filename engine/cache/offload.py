@@ -138,7 +138,11 @@ class HostTierOps:
         v = torch.empty_like(k)
         pos = torch.empty(flat.numel(), dtype=torch.int32)
         dev = flat[on].to(self.device)
-        k[on], v[on], pos[on] = self.pool.k.view(-1, D)[dev].cpu(), self.pool.v.view(-1, D)[dev].cpu(), self.pool.pos.view(-1)[dev].cpu()
+        k[on], v[on], pos[on] = (
+            self.pool.k.view(-1, D)[dev].cpu(),
+            self.pool.v.view(-1, D)[dev].cpu(),
+            self.pool.pos.view(-1)[dev].cpu(),
+        )
         off = hflat[~on]
         k[~on], v[~on], pos[~on] = host.k.view(-1, D)[off], host.v.view(-1, D)[off], host.pos.view(-1)[off]
         return KVSnapshot(lengths=lengths.clone(), k=k, v=v, pos=pos)

@@ -156,16 +156,23 @@ class PageTables:
         row = (slots.long()[:, None, None] * L + self._arange_l[None, :, None]) * H + self._arange_h[None, None, :]
         return self.tables.view(-1)[row * M + page_idx]
 
-    def _set_pages(self, slots: torch.Tensor, layers: torch.Tensor, heads: torch.Tensor, pages: torch.Tensor,
-                   ids: torch.Tensor) -> None:
+    def _set_pages(
+        self, slots: torch.Tensor, layers: torch.Tensor, heads: torch.Tensor, pages: torch.Tensor, ids: torch.Tensor
+    ) -> None:
         self.tables[slots, layers, heads, pages] = ids.to(torch.int32)
         if self._mirrored:
             dev = self.device
             index = to_device(torch.stack([slots, layers, heads, pages]).long(), dev)
             self.tables_dev[index[0], index[1], index[2], index[3]] = to_device(ids.to(torch.int32), dev)
 
-    def set_rows(self, slots: torch.Tensor, layers: torch.Tensor, heads: torch.Tensor, tables: torch.Tensor,
-                 lengths: torch.Tensor) -> None:
+    def set_rows(
+        self,
+        slots: torch.Tensor,
+        layers: torch.Tensor,
+        heads: torch.Tensor,
+        tables: torch.Tensor,
+        lengths: torch.Tensor,
+    ) -> None:
         """Rewrite rows' page lists (their first ``tables.shape[1]`` entries) and lengths, on the host
         and the device mirror; the rows' layers get a new layout version."""
         width = tables.shape[1]
@@ -184,7 +191,9 @@ class PageTables:
         """Device page tables ``[B, H, num_pages]`` and lengths ``[B, H]`` of one layer for a batch."""
         return self.tables_dev[slots, layer, :, :num_pages], self.lengths_dev[slots, layer]
 
-    def _flat_slots(self, slot: int, layer: int | None = None, tables: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _flat_slots(
+        self, slot: int, layer: int | None = None, tables: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat pool indices of every physical token of a slot (one layer or all), in (l, h, t) order
         (negative for a page not on the device; ``tables`` = ``host_tables`` indexes the host tier)."""
         P = self.page_size
@@ -197,4 +206,3 @@ class PageTables:
         t = torch.arange(row.numel()) - torch.repeat_interleave(torch.cumsum(cnt, 0) - cnt, cnt)
         page = tables.reshape(L * H, -1)[row, t // P].long()
         return page * P + t % P, lengths
-

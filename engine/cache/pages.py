@@ -25,8 +25,16 @@ __all__ = ["OutOfPages", "PagePool"]
 
 
 class PagePool:
-    def __init__(self, num_pages: int, page_size: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 format: KVFormat | None = None, max_open_pages: int = 0):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        format: KVFormat | None = None,
+        max_open_pages: int = 0,
+    ):
         """``max_open_pages``: staging pages for formats that keep partly filled and recent pages
         in full precision (KIVI); ``format.staging_per_head`` per cached (sequence, layer, kv-head)
         is always enough."""

@@ -19,8 +19,21 @@ import torch
 from engine.cache.fork_snapshot import KVSnapshot
 
 MAGIC = b"CKV1"
-_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.int16,
-                               torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn)}
+_DTYPES = {
+    str(d): d
+    for d in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int32,
+        torch.int64,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.float8_e4m3fn,
+    )
+}
 
 
 class SnapshotError(ValueError):
@@ -43,8 +56,16 @@ class SessionSnapshot:
         entries, buffers, offset = [], [], 0
         for name, t in named.items():
             raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-            entries.append({"name": name, "dtype": str(t.dtype), "shape": list(t.shape), "offset": offset,
-                            "nbytes": len(raw), "crc32": zlib.crc32(raw)})
+            entries.append(
+                {
+                    "name": name,
+                    "dtype": str(t.dtype),
+                    "shape": list(t.shape),
+                    "offset": offset,
+                    "nbytes": len(raw),
+                    "crc32": zlib.crc32(raw),
+                }
+            )
             buffers.append(raw)
             offset += len(raw)
         header = msgpack.packb({"meta": self.meta, "tensors": entries}, use_bin_type=True)
@@ -69,12 +90,20 @@ class SessionSnapshot:
             dtype = _DTYPES.get(e["dtype"])
             if dtype is None:
                 raise SnapshotError(f"snapshot tensor {e['name']!r} has unknown dtype {e['dtype']}")
-            flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if e["nbytes"] else torch.empty(0, dtype=torch.uint8)
+            flat = (
+                torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                if e["nbytes"]
+                else torch.empty(0, dtype=torch.uint8)
+            )
             tensors[e["name"]] = flat.view(dtype).reshape(e["shape"])
         kv = None
         if "kv.lengths" in tensors:
-            kv = KVSnapshot(lengths=tensors.pop("kv.lengths"), k=tensors.pop("kv.k"), v=tensors.pop("kv.v"),
-                            pos=tensors.pop("kv.pos"))
+            kv = KVSnapshot(
+                lengths=tensors.pop("kv.lengths"),
+                k=tensors.pop("kv.k"),
+                v=tensors.pop("kv.v"),
+                pos=tensors.pop("kv.pos"),
+            )
         return cls(meta=header["meta"], kv=kv, tensors=tensors)
 
     @property

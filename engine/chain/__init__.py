@@ -8,11 +8,32 @@ session errors.
 
 from engine.chain.cache import ChainCache
 from engine.chain.codec import KV_STATE_KEYS
-from engine.chain.errors import (ContextFull, HistoryMismatch, SessionBusy, SessionError, SessionExists, SessionNotFound,
-                                 TurnIndexMismatch)
+from engine.chain.errors import (
+    ContextFull,
+    HistoryMismatch,
+    SessionBusy,
+    SessionError,
+    SessionExists,
+    SessionNotFound,
+    TurnIndexMismatch,
+)
 from engine.chain.records import Chain, ChainState, TaggedSpan, Tier, history_digest
 from engine.chain.tiers import ChainTiers
 
-__all__ = ["KV_STATE_KEYS", "Chain", "ChainCache", "ChainState", "ChainTiers", "ContextFull", "HistoryMismatch",
-           "SessionBusy", "SessionError", "SessionExists", "SessionNotFound", "TaggedSpan", "Tier", "TurnIndexMismatch",
-           "history_digest"]
+__all__ = [
+    "KV_STATE_KEYS",
+    "Chain",
+    "ChainCache",
+    "ChainState",
+    "ChainTiers",
+    "ContextFull",
+    "HistoryMismatch",
+    "SessionBusy",
+    "SessionError",
+    "SessionExists",
+    "SessionNotFound",
+    "TaggedSpan",
+    "Tier",
+    "TurnIndexMismatch",
+    "history_digest",
+]

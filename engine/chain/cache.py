@@ -26,8 +26,15 @@ from typing import Any, Hashable
 from engine.cache.manager import CacheManager
 from engine.cache.snapshot import SessionSnapshot
 from engine.chain.codec import decode_record, encode_record, spec_record
-from engine.chain.errors import (ContextFull, HistoryMismatch, SessionBusy, SessionError, SessionExists,
-                                 SessionNotFound, TurnIndexMismatch)
+from engine.chain.errors import (
+    ContextFull,
+    HistoryMismatch,
+    SessionBusy,
+    SessionError,
+    SessionExists,
+    SessionNotFound,
+    TurnIndexMismatch,
+)
 from engine.chain.records import Chain, ChainState, TaggedSpan, Tier
 from engine.chain.tiers import ChainTiers
 from engine.config import EngineConfig
@@ -43,8 +50,15 @@ from engine.sequence import Sequence
 class ChainCache:
     """Session chains of one engine: turns, tiers, forks, pruning, snapshots."""
 
-    def __init__(self, config: EngineConfig, manager: CacheManager, controller: SparseController,
-                 requests: RequestFactory, default_spec: MethodSpec, fingerprint: str):
+    def __init__(
+        self,
+        config: EngineConfig,
+        manager: CacheManager,
+        controller: SparseController,
+        requests: RequestFactory,
+        default_spec: MethodSpec,
+        fingerprint: str,
+    ):
         """``fingerprint``: what the KV computed here depends on (a snapshot from another one is
         recomputed); it also salts the shared-prefix hashes."""
         self.config = config
@@ -72,27 +86,42 @@ class ChainCache:
         return self.tiers.host_bytes
 
     # --- turns -----------------------------------------------------------------------------------
-    def start_turn(self, session_id: Hashable, tokens: list[int], params: SamplingParams, *, role: str = "user",
-                   spans: list[tuple[int, int, str]] | None = None, method: MethodSpec | None = None,
-                   expected_turn_index: int | None = None, history: list[int] | None = None,
-                   shared_prefix: int = 0, prefix_scope: str = "") -> Sequence:
+    def start_turn(
+        self,
+        session_id: Hashable,
+        tokens: list[int],
+        params: SamplingParams,
+        *,
+        role: str = "user",
+        spans: list[tuple[int, int, str]] | None = None,
+        method: MethodSpec | None = None,
+        expected_turn_index: int | None = None,
+        history: list[int] | None = None,
+        shared_prefix: int = 0,
+        prefix_scope: str = "",
+    ) -> Sequence:
         chain = self.chains.get(session_id)
         if chain is not None and chain.state is ChainState.ACTIVE:
             raise SessionBusy(f"a turn is already running on session {session_id!r}")
         if expected_turn_index is not None and expected_turn_index != (chain.turn_index if chain else 0):
-            raise TurnIndexMismatch(f"session {session_id!r} is at turn {chain.turn_index if chain else 0}, "
-                                    f"not {expected_turn_index}")
+            raise TurnIndexMismatch(
+                f"session {session_id!r} is at turn {chain.turn_index if chain else 0}, not {expected_turn_index}"
+            )
         old = chain.history if chain else []
         if history is not None:
             if list(history[: len(old)]) != old:
-                raise HistoryMismatch(f"the history given does not extend session {session_id!r}'s "
-                                      f"{len(old)}-token history; start a new session or fork")
+                raise HistoryMismatch(
+                    f"the history given does not extend session {session_id!r}'s "
+                    f"{len(old)}-token history; start a new session or fork"
+                )
             tokens = list(history[len(old) :])
         if not tokens:
             raise HistoryMismatch("a turn must add at least one token")
         if len(old) + len(tokens) >= self.max_model_len:
-            raise ContextFull(f"session {session_id!r} would reach {len(old) + len(tokens)} tokens; "
-                               f"max_model_len is {self.max_model_len}")
+            raise ContextFull(
+                f"session {session_id!r} would reach {len(old) + len(tokens)} tokens; "
+                f"max_model_len is {self.max_model_len}"
+            )
         if chain is None:
             spec = method or self.default_spec
             self.controller.method_for(spec)  # a bad spec fails before anything changes
@@ -103,7 +132,9 @@ class ChainCache:
             self.chains[session_id] = chain
         else:
             if method is not None and method.key() != chain.spec.key():
-                raise SessionError(f"session {session_id!r} uses method {chain.spec.method!r}; it cannot change mid-session")
+                raise SessionError(
+                    f"session {session_id!r} uses method {chain.spec.method!r}; it cannot change mid-session"
+                )
             seq = chain.seq
             self.requests.restart_sequence(seq, tokens, params)
             seq.source_tier = self._source_tier(chain)
@@ -175,8 +206,17 @@ class ChainCache:
         self.controller.on_turn_end(SeqInfo(seq.seq_id, seq.num_cached, seq.protected_len), turn_spans)
         if seq.source_tier is Tier.RECOMPUTE:  # the rebuilt KV gets the prunings the log records
             for entry in list(chain.prune_log):
-                prune_span(self.manager, seq.seq_id, entry["start"], entry["end"], entry["policy"], entry["keep_ratio"],
-                           entry["scope"], chain.queries, seq.protected_len)
+                prune_span(
+                    self.manager,
+                    seq.seq_id,
+                    entry["start"],
+                    entry["end"],
+                    entry["policy"],
+                    entry["keep_ratio"],
+                    entry["scope"],
+                    chain.queries,
+                    seq.protected_len,
+                )
         self._auto_prune(chain)
         chain.turn_index += 1
         chain.generation += 1
@@ -214,12 +254,21 @@ class ChainCache:
         cfg = self.config
         if cfg.prune_lag is None and cfg.prune_trigger_tokens is None:
             return
-        for start, end, reason in due_spans(chain.spans, chain.turn_index, cfg.prune_roles, lag=cfg.prune_lag,
-                                            trigger_tokens=cfg.prune_trigger_tokens):
+        for start, end, reason in due_spans(
+            chain.spans, chain.turn_index, cfg.prune_roles, lag=cfg.prune_lag, trigger_tokens=cfg.prune_trigger_tokens
+        ):
             self.prune(chain.session_id, start, end, reason=reason)
 
-    def prune(self, session_id: Hashable, start: int, end: int, policy: str | None = None,
-              keep_ratio: float | None = None, scope: str | None = None, reason: str = "request") -> int:
+    def prune(
+        self,
+        session_id: Hashable,
+        start: int,
+        end: int,
+        policy: str | None = None,
+        keep_ratio: float | None = None,
+        scope: str | None = None,
+        reason: str = "request",
+    ) -> int:
         """Shrink the physical KV of history positions [start, end); the history stays. Returns
         the KV tokens removed, summed over layers and kv-heads."""
         chain = self._get(session_id)
@@ -233,13 +282,24 @@ class ChainCache:
         self.tiers.ensure_on_gpu(chain)
         removed = 0
         if chain.state is ChainState.IDLE:
-            removed = prune_span(self.manager, session_id, start, end, policy, keep_ratio, scope, chain.queries,
-                                 chain.seq.protected_len)
+            removed = prune_span(
+                self.manager, session_id, start, end, policy, keep_ratio, scope, chain.queries, chain.seq.protected_len
+            )
         for s in chain.spans:
             if s.start >= start and s.end <= end:
                 s.pruned = True
-        chain.prune_log.append({"turn": chain.turn_index, "start": start, "end": end, "policy": policy,
-                                "keep_ratio": keep_ratio, "scope": scope, "reason": reason, "removed": removed})
+        chain.prune_log.append(
+            {
+                "turn": chain.turn_index,
+                "start": start,
+                "end": end,
+                "policy": policy,
+                "keep_ratio": keep_ratio,
+                "scope": scope,
+                "reason": reason,
+                "removed": removed,
+            }
+        )
         chain.pruned_tokens += removed
         chain.generation += 1
         return removed
@@ -261,13 +321,22 @@ class ChainCache:
         seq.num_cached = parent.seq.num_cached
         seq.protected_len = parent.seq.protected_len
         seq.finish_idle()
-        child = Chain(session_id=child_id, seq=seq, spec=parent.spec, turn_index=parent.turn_index,
-                      spans=[TaggedSpan(**vars(s)) for s in parent.spans], prune_log=list(parent.prune_log),
-                      pruned_tokens=parent.pruned_tokens)
+        child = Chain(
+            session_id=child_id,
+            seq=seq,
+            spec=parent.spec,
+            turn_index=parent.turn_index,
+            spans=[TaggedSpan(**vars(s)) for s in parent.spans],
+            prune_log=list(parent.prune_log),
+            pruned_tokens=parent.pruned_tokens,
+        )
         if parent.queries is not None:
-            child.queries = QueryWindow(parent.queries.size, parent.queries.num_layers,
-                                        None if parent.queries.q is None else parent.queries.q.clone(),
-                                        list(parent.queries.count))
+            child.queries = QueryWindow(
+                parent.queries.size,
+                parent.queries.num_layers,
+                None if parent.queries.q is None else parent.queries.q.clone(),
+                list(parent.queries.count),
+            )
         if parent.state is ChainState.IDLE:
             if self.manager.num_free_slots == 0 and not self.tiers.reclaim_slot():
                 raise SessionError("no cache slot is free for the fork")
@@ -308,8 +377,10 @@ class ChainCache:
             "pruned_tokens": chain.pruned_tokens,
             "prune_log": list(chain.prune_log),
             "shared_prefix_tokens": chain.seq.protected_len,
-            "spans": [{"start": s.start, "end": s.end, "role": s.role, "turn": s.turn, "pruned": s.pruned}
-                      for s in chain.spans],
+            "spans": [
+                {"start": s.start, "end": s.end, "role": s.role, "turn": s.turn, "pruned": s.pruned}
+                for s in chain.spans
+            ],
             "last_token": chain.history[-1] if chain.history else None,
         }
 
@@ -338,9 +409,17 @@ class ChainCache:
         seq = self.requests.new_sequence(sid, rec.tokens, SamplingParams(), rec.spec)
         seq.protected_len = rec.protected_len
         seq.finish_idle()
-        chain = Chain(session_id=sid, seq=seq, spec=rec.spec, turn_index=rec.turn_index, generation=rec.generation,
-                      spans=rec.spans, prune_log=rec.prune_log, pruned_tokens=rec.pruned_tokens,
-                      queries=self._query_window())
+        chain = Chain(
+            session_id=sid,
+            seq=seq,
+            spec=rec.spec,
+            turn_index=rec.turn_index,
+            generation=rec.generation,
+            spans=rec.spans,
+            prune_log=rec.prune_log,
+            pruned_tokens=rec.pruned_tokens,
+            queries=self._query_window(),
+        )
         if snap.kv is not None and rec.fingerprint == self.fingerprint:
             self.tiers.set_host(chain, snap, source)
             seq.num_cached = snap.meta["num_cached"]

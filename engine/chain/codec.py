@@ -23,20 +23,31 @@ metadata is the session record (history, spans, method, ...), enough to rebuild 
 
 
 def spec_record(spec: MethodSpec) -> dict[str, Any]:
-    return {"method": spec.method, "budget": spec.budget, "budget_ratio": spec.budget_ratio,
-            "method_args": spec.method_args}
+    return {
+        "method": spec.method,
+        "budget": spec.budget,
+        "budget_ratio": spec.budget_ratio,
+        "method_args": spec.method_args,
+    }
 
 
 def encode_record(snap: SessionSnapshot, chain: Chain, fingerprint: str) -> SessionSnapshot:
     """Write ``chain``'s session record into ``snap.meta`` (returns ``snap``)."""
-    snap.meta.update({
-        "session_id": chain.session_id, "turn_index": chain.turn_index, "generation": chain.generation,
-        "tokens": np.asarray(chain.history, dtype="<u4").tobytes(), "digest": chain.digest,
-        "spans": [[s.start, s.end, s.role, s.turn, s.pruned] for s in chain.spans], "prune_log": chain.prune_log,
-        "method": spec_record(chain.spec),
-        "protected_len": chain.seq.protected_len, "pruned_tokens": chain.pruned_tokens,
-        "fingerprint": fingerprint,
-    })
+    snap.meta.update(
+        {
+            "session_id": chain.session_id,
+            "turn_index": chain.turn_index,
+            "generation": chain.generation,
+            "tokens": np.asarray(chain.history, dtype="<u4").tobytes(),
+            "digest": chain.digest,
+            "spans": [[s.start, s.end, s.role, s.turn, s.pruned] for s in chain.spans],
+            "prune_log": chain.prune_log,
+            "method": spec_record(chain.spec),
+            "protected_len": chain.seq.protected_len,
+            "pruned_tokens": chain.pruned_tokens,
+            "fingerprint": fingerprint,
+        }
+    )
     return snap
 
 
@@ -64,8 +75,14 @@ def decode_record(snap: SessionSnapshot) -> SessionRecord:
         raise SessionError(f"session {sid!r}: the snapshot's history does not match its digest")
     m = meta["method"]
     return SessionRecord(
-        session_id=sid, tokens=tokens, spec=MethodSpec(m["method"], m["budget"], m["budget_ratio"], dict(m["method_args"])),
-        turn_index=meta["turn_index"], generation=meta["generation"],
+        session_id=sid,
+        tokens=tokens,
+        spec=MethodSpec(m["method"], m["budget"], m["budget_ratio"], dict(m["method_args"])),
+        turn_index=meta["turn_index"],
+        generation=meta["generation"],
         spans=[TaggedSpan(a, b, r, turn=t, pruned=p) for a, b, r, t, p in meta["spans"]],
-        prune_log=list(meta["prune_log"]), pruned_tokens=meta.get("pruned_tokens", 0),
-        protected_len=meta.get("protected_len", 0), fingerprint=meta.get("fingerprint"))
+        prune_log=list(meta["prune_log"]),
+        pruned_tokens=meta.get("pruned_tokens", 0),
+        protected_len=meta.get("protected_len", 0),
+        fingerprint=meta.get("fingerprint"),
+    )

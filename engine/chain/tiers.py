@@ -25,8 +25,14 @@ from engine.sequence import Sequence
 
 
 class ChainTiers:
-    def __init__(self, chains: dict[Hashable, Chain], manager: CacheManager, controller: SparseController,
-                 prefixes: PrefixIndex, host_limit: int):
+    def __init__(
+        self,
+        chains: dict[Hashable, Chain],
+        manager: CacheManager,
+        controller: SparseController,
+        prefixes: PrefixIndex,
+        host_limit: int,
+    ):
         self.chains = chains
         """The session chains (shared with the ChainCache that owns them)."""
         self.manager = manager
@@ -80,7 +86,9 @@ class ChainTiers:
         self.manager.restore(seq.seq_id, snap.kv)
         self.controller.admit(SeqInfo(seq.seq_id, snap.meta["num_cached"], seq.protected_len), chain.spec)
         state = dict(snap.meta.get("method_state", {}))
-        state.update({k[len("method."):]: v.to(self.manager.device) for k, v in snap.tensors.items() if k.startswith("method.")})
+        state.update(
+            {k[len("method.") :]: v.to(self.manager.device) for k, v in snap.tensors.items() if k.startswith("method.")}
+        )
         if state:
             self.controller.load_state_dict(seq.seq_id, state)
         if "queries" in snap.tensors and chain.queries is not None:
@@ -155,15 +163,19 @@ class ChainTiers:
         plain = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
         if chain.queries is not None and chain.queries.q is not None:
             tensors["queries"] = chain.queries.q.cpu()
-        meta = {"method_state": plain, "num_cached": chain.seq.num_cached,
-                "query_count": chain.queries.count if chain.queries else []}
+        meta = {
+            "method_state": plain,
+            "num_cached": chain.seq.num_cached,
+            "query_count": chain.queries.count if chain.queries else [],
+        }
         return SessionSnapshot(meta=meta, kv=self.manager.snapshot(sid), tensors=tensors)
 
     def _make_host_room(self, nbytes: int, keep: Chain | None = None) -> bool:
         """Drop idle sessions' host copies (least recently used first, ``keep`` spared) to their
         history until ``nbytes`` more fit in ``host_cache_gb``."""
-        victims = sorted((c for c in self.chains.values() if c.state is ChainState.HOST and c is not keep),
-                         key=lambda c: c.last_used)
+        victims = sorted(
+            (c for c in self.chains.values() if c.state is ChainState.HOST and c is not keep), key=lambda c: c.last_used
+        )
         for c in victims:
             if self.host_bytes + nbytes <= self.host_limit:
                 break

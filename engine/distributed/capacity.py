@@ -63,8 +63,12 @@ def _agreed_restore_pages(restore_pages):
 
 def plan_digest(batch) -> int:
     """A stable 63-bit hash of a scheduled batch (ids hashed by repr: python's hash() is salted)."""
-    parts = [("d", [repr(s.seq_id) for s in batch.decode]), ("p", [(repr(s.seq_id), n) for s, n in batch.prefill]),
-             ("x", [repr(s.seq_id) for s in batch.preempted]), ("f", [repr(s.seq_id) for s, _ in batch.failed])]
+    parts = [
+        ("d", [repr(s.seq_id) for s in batch.decode]),
+        ("p", [(repr(s.seq_id), n) for s, n in batch.prefill]),
+        ("x", [repr(s.seq_id) for s in batch.preempted]),
+        ("f", [repr(s.seq_id) for s, _ in batch.failed]),
+    ]
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
 
 
@@ -74,7 +78,8 @@ def check_plans(batch) -> None:
     hi, neg_lo = group.max_ints([h, -h])
     if hi != -neg_lo:
         raise group.TensorParallelError(
-            f"rank {group.rank()} scheduled a different step than another rank (plan {h:x}); the ranks diverged")
+            f"rank {group.rank()} scheduled a different step than another rank (plan {h:x}); the ranks diverged"
+        )
 
 
 def install(engine) -> None:

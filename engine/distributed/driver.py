@@ -24,8 +24,18 @@ from engine.distributed.group import TensorParallelError
 
 log = logging.getLogger(__name__)
 
-REPLICATED = ("add_request", "add_turn", "abort", "end_session", "fork_session", "prune_history", "load_session",
-              "snapshot_session", "add_prefilled_request", "step")
+REPLICATED = (
+    "add_request",
+    "add_turn",
+    "abort",
+    "end_session",
+    "fork_session",
+    "prune_history",
+    "load_session",
+    "snapshot_session",
+    "add_prefilled_request",
+    "step",
+)
 """LLMEngine methods every rank runs (the rest only read rank 0's state)."""
 _STOP = "__stop__"
 
@@ -45,8 +55,9 @@ def execute(engine, name: str, args: tuple, kwargs: dict) -> Any:
     failed = group.min_ints([0 if error is None else 1, 1 if error is None else 0])
     everywhere, nowhere = failed[0] == 1, failed[1] == 1
     if not everywhere and not nowhere:
-        raise TensorParallelError(f"{name} failed on some ranks only (here: {error!r}); the ranks are out of step") \
-            from error
+        raise TensorParallelError(
+            f"{name} failed on some ranks only (here: {error!r}); the ranks are out of step"
+        ) from error
     if error is not None:
         raise error
     if name == "snapshot_session":

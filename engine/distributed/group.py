@@ -51,8 +51,10 @@ def init_tensor_parallel(tp_size: int, device: str = "auto", timeout_s: float = 
     else:
         world = int(os.environ.get("WORLD_SIZE", "0"))
         if world != tp_size:
-            raise TensorParallelError(f"tensor_parallel_size is {tp_size} but WORLD_SIZE is {world or 'unset'}: "
-                                      "start the ranks with `chainkv serve` (it spawns them) or torchrun")
+            raise TensorParallelError(
+                f"tensor_parallel_size is {tp_size} but WORLD_SIZE is {world or 'unset'}: "
+                "start the ranks with `chainkv serve` (it spawns them) or torchrun"
+            )
         use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
         if use_cuda:
             local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))

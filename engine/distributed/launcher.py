@@ -32,16 +32,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_rank(rank: int, size: int, port: int, config_dict: dict, target: Callable, args: tuple,
-             random_weights: bool) -> None:
+def run_rank(
+    rank: int, size: int, port: int, config_dict: dict, target: Callable, args: tuple, random_weights: bool
+) -> None:
     """The body of one rank's process."""
     from engine.config import EngineConfig
     from engine.distributed import group
     from engine.distributed.driver import TensorParallelEngine, follow
     from engine.llm import LLMEngine
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size),
-                      MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(size),
+        MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        MASTER_PORT=str(port),
+    )
     _die_with_parent()
     if rank > 0:  # a terminal's Ctrl-C reaches every process: rank 0 drains, then releases the followers
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -76,15 +82,21 @@ def _die_with_parent() -> None:
         pass  # not Linux: the launcher's own exit path still stops the ranks
 
 
-def launch(config, target: Callable[..., Any], *args: Any, random_weights: bool = False,
-           poll_s: float = 0.1) -> int:
+def launch(config, target: Callable[..., Any], *args: Any, random_weights: bool = False, poll_s: float = 0.1) -> int:
     """Run ``target(engine, *args)`` on rank 0 of a ``config.tensor_parallel_size``-rank engine;
     returns 0, or the exit code of the first rank that failed (the others are then stopped)."""
     size = config.tensor_parallel_size
     port = int(os.environ.get("MASTER_PORT") or free_port())
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run_rank, args=(r, size, port, config.to_dict(), target, args, random_weights),
-                         name=f"chainkv-tp{r}", daemon=False) for r in range(size)]
+    procs = [
+        ctx.Process(
+            target=run_rank,
+            args=(r, size, port, config.to_dict(), target, args, random_weights),
+            name=f"chainkv-tp{r}",
+            daemon=False,
+        )
+        for r in range(size)
+    ]
     for p in procs:
         p.start()
 

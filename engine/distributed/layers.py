@@ -50,8 +50,15 @@ class TensorParallelLlama(LlamaForCausalLM):
 
     layout: ShardLayout
 
-    def __init__(self, cfg: ModelConfig, hf_config: Any, max_len: int, dtype=torch.float32, device="cpu",
-                 layout: ShardLayout | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        hf_config: Any,
+        max_len: int,
+        dtype=torch.float32,
+        device="cpu",
+        layout: ShardLayout | None = None,
+    ):
         super().__init__(cfg, hf_config, max_len, dtype=dtype, device=device)
         self.layout = layout
         f = {"dtype": dtype, "device": device}
@@ -62,8 +69,9 @@ class TensorParallelLlama(LlamaForCausalLM):
         self.requires_grad_(False)
 
     @classmethod
-    def create_shard(cls, mc: ModelConfig, layout: ShardLayout, hf_config: Any, max_len: int, dtype: torch.dtype,
-                     device) -> "TensorParallelLlama":
+    def create_shard(
+        cls, mc: ModelConfig, layout: ShardLayout, hf_config: Any, max_len: int, dtype: torch.dtype, device
+    ) -> "TensorParallelLlama":
         """An uninitialised shard on ``device`` (``mc`` is the whole model's shape)."""
         from engine.model.llama import rope_tables
 

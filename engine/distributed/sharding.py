@@ -45,13 +45,22 @@ class ShardLayout:
     def of(cls, mc: ModelConfig, size: int, rank: int) -> "ShardLayout":
         if size < 1 or not 0 <= rank < size:
             raise ShardingError(f"bad tensor-parallel rank {rank} of {size}")
-        for what, n in (("kv-heads", mc.num_kv_heads), ("query heads", mc.num_heads),
-                        ("MLP columns (intermediate_size)", mc.intermediate_size)):
+        for what, n in (
+            ("kv-heads", mc.num_kv_heads),
+            ("query heads", mc.num_heads),
+            ("MLP columns (intermediate_size)", mc.intermediate_size),
+        ):
             if n % size:
                 raise ShardingError(f"tensor_parallel_size {size} does not divide the model's {n} {what}")
-        return cls(size=size, rank=rank, num_heads=mc.num_heads // size, num_kv_heads=mc.num_kv_heads // size,
-                   intermediate=mc.intermediate_size // size, vocab_shard=-(-mc.vocab_size // size),
-                   vocab_size=mc.vocab_size)
+        return cls(
+            size=size,
+            rank=rank,
+            num_heads=mc.num_heads // size,
+            num_kv_heads=mc.num_kv_heads // size,
+            intermediate=mc.intermediate_size // size,
+            vocab_shard=-(-mc.vocab_size // size),
+            vocab_size=mc.vocab_size,
+        )
 
     @property
     def kv_heads(self) -> range:
@@ -64,8 +73,13 @@ class ShardLayout:
 
     def local_config(self, mc: ModelConfig) -> ModelConfig:
         """The shape of this rank's part of the model (what its modules are built with)."""
-        return dataclasses.replace(mc, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                                   intermediate_size=self.intermediate, vocab_size=self.vocab_shard)
+        return dataclasses.replace(
+            mc,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate,
+            vocab_size=self.vocab_shard,
+        )
 
     # --- weights -------------------------------------------------------------------------------
     def _rows(self, t: torch.Tensor, per_rank: int) -> torch.Tensor:
@@ -91,8 +105,9 @@ class ShardLayout:
                 out[name] = self._vocab_rows(t)
             elif base.endswith("self_attn.q_proj.weight") or base.endswith("self_attn.q_proj.bias"):
                 out[name] = self._rows(t, q)
-            elif base.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                                "self_attn.k_proj.bias", "self_attn.v_proj.bias")):
+            elif base.endswith(
+                ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+            ):
                 out[name] = self._rows(t, kv)
             elif base.endswith("self_attn.o_proj.weight"):
                 out[name] = self._cols(t, q)
@@ -116,5 +131,6 @@ def shard_layout(config, mc: ModelConfig) -> ShardLayout | None:
     if group.size() != tp:
         raise group.TensorParallelError(
             f"tensor_parallel_size is {tp} but this process is in a group of {group.size()}: start the engine through "
-            "engine.distributed.launcher (or `chainkv serve`), which runs one process per rank")
+            "engine.distributed.launcher (or `chainkv serve`), which runs one process per rank"
+        )
     return ShardLayout.of(mc, tp, group.rank())

@@ -35,9 +35,12 @@ def merge_kv(parts: list[KVSnapshot]) -> KVSnapshot:
     layers = [_split_layers(p) for p in parts]
     L = parts[0].lengths.shape[0]
     order = [layers[r][layer] for layer in range(L) for r in range(len(parts))]
-    return KVSnapshot(lengths=torch.cat([p.lengths for p in parts], dim=1),
-                      k=torch.cat([o[0] for o in order]), v=torch.cat([o[1] for o in order]),
-                      pos=torch.cat([o[2] for o in order]))
+    return KVSnapshot(
+        lengths=torch.cat([p.lengths for p in parts], dim=1),
+        k=torch.cat([o[0] for o in order]),
+        v=torch.cat([o[1] for o in order]),
+        pos=torch.cat([o[2] for o in order]),
+    )
 
 
 def shard_kv(kv: KVSnapshot, heads: range) -> KVSnapshot:
@@ -47,8 +50,12 @@ def shard_kv(kv: KVSnapshot, heads: range) -> KVSnapshot:
     k, v, pos = kv.k.split(flat), kv.v.split(flat), kv.pos.split(flat)
     H = lengths.shape[1]
     pick = [layer * H + h for layer in range(lengths.shape[0]) for h in heads]
-    return KVSnapshot(lengths=kv.lengths[:, heads.start : heads.stop].clone(), k=torch.cat([k[i] for i in pick]),
-                      v=torch.cat([v[i] for i in pick]), pos=torch.cat([pos[i] for i in pick]))
+    return KVSnapshot(
+        lengths=kv.lengths[:, heads.start : heads.stop].clone(),
+        k=torch.cat([k[i] for i in pick]),
+        v=torch.cat([v[i] for i in pick]),
+        pos=torch.cat([pos[i] for i in pick]),
+    )
 
 
 def merge(parts: list[SessionSnapshot]) -> SessionSnapshot:
@@ -60,8 +67,11 @@ def merge(parts: list[SessionSnapshot]) -> SessionSnapshot:
     if any((p.kv is None) != (first.kv is None) for p in parts):
         raise SnapshotError("ranks disagree on whether the session's KV is kept")
     kv = None if first.kv is None else merge_kv([p.kv for p in parts])
-    tensors = dict(first.tensors) if len(parts) == 1 else \
-        {_PREFIX.format(r) + name: t for r, p in enumerate(parts) for name, t in p.tensors.items()}
+    tensors = (
+        dict(first.tensors)
+        if len(parts) == 1
+        else {_PREFIX.format(r) + name: t for r, p in enumerate(parts) for name, t in p.tensors.items()}
+    )
     return SessionSnapshot(meta=meta, kv=kv, tensors=tensors)
 
 
@@ -74,11 +84,12 @@ def for_rank(snap: SessionSnapshot, size: int, rank: int) -> SessionSnapshot:
         names = sorted({n.split("/", 1)[-1] for n in (ranked or plain)})
         raise SnapshotError(
             f"session {snap.meta.get('session_id')!r} was saved at tensor_parallel_size {made} with per-head state "
-            f"{names} that cannot be re-sharded; resume it on an engine with tensor_parallel_size {made}")
+            f"{names} that cannot be re-sharded; resume it on an engine with tensor_parallel_size {made}"
+        )
     if size == 1 and made == 1:
         return snap
     mine = _PREFIX.format(rank)
-    tensors = {n[len(mine):]: t for n, t in ranked.items() if n.startswith(mine)} if made > 1 else plain
+    tensors = {n[len(mine) :]: t for n, t in ranked.items() if n.startswith(mine)} if made > 1 else plain
     kv = snap.kv
     if kv is not None:
         H = int(kv.lengths.shape[1])

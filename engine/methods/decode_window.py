@@ -45,8 +45,9 @@ class DecodeWindow:
                 self._steps[(child_id, layer)] = self._steps[(s, layer)]
 
 
-def window_probs(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+def window_probs(
+    q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Softmax attention of queries ``[w, Hq, D]`` over one layer's cached keys ``[H, T, D]``
     (``k_pos`` ``[H, T]``, -1 past a head's end), causal by position: ``[Hq, w, T]``."""
     w, Hq, D = q.shape

@@ -59,15 +59,19 @@ def load_pattern(pattern: str, num_layers: int, num_kv_heads: int, head_dim: int
             data = json.loads(path.read_text())
             if (data["num_layers"], data["num_kv_heads"], data["head_dim"]) == shape:
                 return data
-        raise MethodError(f"duo_attention: no shipped head pattern for a model of (layers, kv-heads, head_dim) {shape}; "
-                          "run `chainkv calibrate duo_attention --out FILE` and pass --method-arg pattern=FILE")
+        raise MethodError(
+            f"duo_attention: no shipped head pattern for a model of (layers, kv-heads, head_dim) {shape}; "
+            "run `chainkv calibrate duo_attention --out FILE` and pass --method-arg pattern=FILE"
+        )
     path = Path(pattern)
     if not path.is_file():
         raise MethodError(f"duo_attention: head pattern file {pattern!r} not found")
     data = json.loads(path.read_text())
     if (data.get("num_layers"), data.get("num_kv_heads"), data.get("head_dim")) != shape:
-        raise MethodError(f"duo_attention: {pattern} is for (layers, kv-heads, head_dim) "
-                          f"{(data.get('num_layers'), data.get('num_kv_heads'), data.get('head_dim'))}, this model is {shape}")
+        raise MethodError(
+            f"duo_attention: {pattern} is for (layers, kv-heads, head_dim) "
+            f"{(data.get('num_layers'), data.get('num_kv_heads'), data.get('head_dim'))}, this model is {shape}"
+        )
     return data
 
 
@@ -114,7 +118,9 @@ class DuoAttention(SparseMethod):
         stream = self.streaming[layer]
         if int(lengths[stream].max()) <= budget + slack:
             return None
-        return [recent_and_sink(int(n), sink, budget) if stream[h] else torch.arange(int(n)) for h, n in enumerate(lengths)]
+        return [
+            recent_and_sink(int(n), sink, budget) if stream[h] else torch.arange(int(n)) for h, n in enumerate(lengths)
+        ]
 
     def after_prefill_chunk(self, layer: int, chunk: PrefillChunk):
         return self._keep(layer, chunk.lengths, chunk.num_tokens, 0)

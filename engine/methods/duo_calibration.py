@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
 @dataclass
@@ -39,15 +39,18 @@ def passkey_sample(tokenizer, num_tokens: int, rng: random.Random) -> PasskeySam
     """About ``num_tokens`` tokens of filler with a passkey at a random depth, then the question."""
     key = str(rng.randint(10000, 99999))
     filler = tokenizer.encode(FILLER, add_special_tokens=False)
-    intro = tokenizer.encode("There is a pass key hidden in a lot of irrelevant text. Find it and memorize it. ",
-                             add_special_tokens=False)
+    intro = tokenizer.encode(
+        "There is a pass key hidden in a lot of irrelevant text. Find it and memorize it. ", add_special_tokens=False
+    )
     needle = tokenizer.encode(f"The pass key is {key}. Remember it. {key} is the pass key. ", add_special_tokens=False)
     question = tokenizer.encode("What is the pass key? The pass key is", add_special_tokens=False)
     n_fill = max(1, (num_tokens - len(intro) - len(needle) - len(question)) // len(filler))
     depth = rng.randint(1, max(1, n_fill - 1))
     before = intro + filler * depth
     prompt = before + needle + filler * (n_fill - depth) + question
-    return PasskeySample(prompt, tokenizer.encode(" " + key, add_special_tokens=False), (len(before), len(before) + len(needle)))
+    return PasskeySample(
+        prompt, tokenizer.encode(" " + key, add_special_tokens=False), (len(before), len(before) + len(needle))
+    )
 
 
 class _MassRecorder:
@@ -77,8 +80,15 @@ class _MassRecorder:
 
 
 @torch.inference_mode()
-def calibrate(engine, samples: int = 8, min_tokens: int = 1024, max_tokens: int = 2048, n_sink: int = 128,
-              n_recent: int = 256, seed: int = 0) -> dict:
+def calibrate(
+    engine,
+    samples: int = 8,
+    min_tokens: int = 1024,
+    max_tokens: int = 2048,
+    n_sink: int = 128,
+    n_recent: int = 256,
+    seed: int = 0,
+) -> dict:
     """Head scores ``[L][H]`` for ``engine``'s model, as a pattern dict duo_attention loads."""
     model = engine.model
     mc = engine.model_config
@@ -91,7 +101,7 @@ def calibrate(engine, samples: int = 8, min_tokens: int = 1024, max_tokens: int 
         if len(ids) > engine.max_model_len:
             raise ValueError(f"a calibration sample of {len(ids)} tokens exceeds max_model_len {engine.max_model_len}")
         w = len(sample.answer) + 8  # the end of the question and the answer
-        rec = _MassRecorder(n_sink, n_recent, w, mc.head_dim ** -0.5)
+        rec = _MassRecorder(n_sink, n_recent, w, mc.head_dim**-0.5)
         dev = engine.device
         rows = torch.arange(len(sample.prompt) - 1, len(ids) - 1, device=dev)
         logits = model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev), rec, rows)
@@ -105,9 +115,17 @@ def calibrate(engine, samples: int = 8, min_tokens: int = 1024, max_tokens: int 
         "num_layers": mc.num_layers,
         "num_kv_heads": mc.num_kv_heads,
         "head_dim": mc.head_dim,
-        "calibration": {"data": "passkey", "samples": samples, "min_tokens": min_tokens, "max_tokens": max_tokens,
-                        "n_sink": n_sink, "n_recent": n_recent, "seed": seed, "answered": found,
-                        "score": "attention mass of answer-time queries outside sink + recent, max over the query group"},
+        "calibration": {
+            "data": "passkey",
+            "samples": samples,
+            "min_tokens": min_tokens,
+            "max_tokens": max_tokens,
+            "n_sink": n_sink,
+            "n_recent": n_recent,
+            "seed": seed,
+            "answered": found,
+            "score": "attention mass of answer-time queries outside sink + recent, max over the query group",
+        },
         "scores": [[round(float(x), 6) for x in row] for row in scores],
     }
 

@@ -84,9 +84,16 @@ def rope_at(cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor) -> tuple[to
     return c * s, sn * s
 
 
-def expected_attention_scores(k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, mu: torch.Tensor,
-                              cov: torch.Tensor | None, n_sink: int, use_vnorm: bool = True,
-                              epsilon: float = 0.0) -> torch.Tensor:
+def expected_attention_scores(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    mu: torch.Tensor,
+    cov: torch.Tensor | None,
+    n_sink: int,
+    use_vnorm: bool = True,
+    epsilon: float = 0.0,
+) -> torch.Tensor:
     """Keys/values ``[H, T, D]``, query mean ``[Hq, D]`` and covariance ``[Hq, D, D]`` (rotated to
     the future positions) -> ``[H, T]`` scores, the first ``n_sink`` tokens forced to the top."""
     H, T, D = k.shape
@@ -151,8 +158,9 @@ class ExpectedAttention(ScoredEviction):
     def score(self, layer: int, chunk: PrefillChunk) -> torch.Tensor:
         mu, cov = self.query_statistics(chunk.seq_id, layer, chunk.num_tokens)
         k, v, _, _ = chunk.cache.gather(chunk.seq_id, layer)
-        return expected_attention_scores(k, v, chunk.lengths, mu, cov, self.params.n_sink, self.params.use_vnorm,
-                                         self.params.epsilon)
+        return expected_attention_scores(
+            k, v, chunk.lengths, mu, cov, self.params.n_sink, self.params.use_vnorm, self.params.epsilon
+        )
 
     def fork_state(self, seq_id, child_id) -> None:
         for (s, layer), st in list(self._stats.items()):

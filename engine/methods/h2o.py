@@ -78,8 +78,9 @@ class H2O(ScoredEviction):
         self._acc[key] = accumulate(acc, chunk.probs, chunk.lengths)
 
     def score(self, layer: int, chunk: PrefillChunk) -> torch.Tensor:
-        return h2o_scores(self._acc[(chunk.seq_id, layer)], chunk.lengths,
-                          self._recent(self.budget_for(chunk.num_tokens)))
+        return h2o_scores(
+            self._acc[(chunk.seq_id, layer)], chunk.lengths, self._recent(self.budget_for(chunk.num_tokens))
+        )
 
     def on_kept(self, layer: int, seq_id, keep) -> None:
         acc = self._acc[(seq_id, layer)]
@@ -103,8 +104,9 @@ class H2O(ScoredEviction):
             self._acc[key] = accumulate(self._acc.get(key), batch.probs[i][:, None], lengths)
             budget = self.budget_for(batch.num_tokens[i])
             if int(lengths.max()) > budget:
-                keep = topk_per_head(h2o_scores(self._acc[key], lengths, self._recent(budget)), lengths,
-                                     [budget] * len(lengths))
+                keep = topk_per_head(
+                    h2o_scores(self._acc[key], lengths, self._recent(budget)), lengths, [budget] * len(lengths)
+                )
                 self.on_kept(layer, seq_id, keep)
                 out[seq_id] = keep
         return out

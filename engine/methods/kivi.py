@@ -65,4 +65,6 @@ class KIVI(SparseMethod):
 
     def kv_layout(self) -> KVLayout:
         p = self.params
-        return KVLayout("kivi", (("bits", p.bits), ("value_group", p.value_group), ("residual_length", p.residual_length)))
+        return KVLayout(
+            "kivi", (("bits", p.bits), ("value_group", p.value_group), ("residual_length", p.residual_length))
+        )

@@ -75,8 +75,9 @@ class KVzip(SparseMethod):
         if tokenizer is None:
             return []
         if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": self.params.prompt}],
-                                                add_generation_prompt=True, tokenize=True)
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": self.params.prompt}], add_generation_prompt=True, tokenize=True
+            )
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         return tokenizer.encode("\n\n" + self.params.prompt + "\n\n", add_special_tokens=False)
 

@@ -35,8 +35,10 @@ class PageSummaries:
 
     def fork(self, seq_id: Hashable, child_id: Hashable) -> None:
         if seq_id in self._state:
-            self._state[child_id] = {layer: {"covered": e["covered"].clone(), **{r: e[r].clone() for r in self.reductions}}
-                                     for layer, e in self._state[seq_id].items()}
+            self._state[child_id] = {
+                layer: {"covered": e["covered"].clone(), **{r: e[r].clone() for r in self.reductions}}
+                for layer, e in self._state[seq_id].items()
+            }
 
     def update(self, seq_id: Hashable, layer: int, lengths: torch.Tensor, new_k: torch.Tensor | None, cache) -> dict:
         """Summaries of every page of one layer once the cache holds ``lengths`` ``[H]`` (host)
@@ -60,7 +62,9 @@ class PageSummaries:
             key = new_k[0].float()
             for r in self.reductions:
                 cur = entry[r][heads, page]
-                entry[r][heads, page] = torch.maximum(cur, key) if r == "amax" else torch.minimum(cur, key) if r == "amin" else cur + key
+                entry[r][heads, page] = (
+                    torch.maximum(cur, key) if r == "amax" else torch.minimum(cur, key) if r == "amin" else cur + key
+                )
             entry["covered"] = lengths.clone()
         return {r: entry[r][:, :num_pages] for r in self.reductions}
 
@@ -96,8 +100,9 @@ def page_counts(lengths: torch.Tensor, num_pages: int, page_size: int) -> torch.
     return (lengths.to(torch.int64)[:, None] - start).clamp(0, page_size)
 
 
-def select_pages(scores: torch.Tensor, lengths: torch.Tensor, page_size: int, k, n_sink: int,
-                 n_recent: int) -> torch.Tensor:
+def select_pages(
+    scores: torch.Tensor, lengths: torch.Tensor, page_size: int, k, n_sink: int, n_recent: int
+) -> torch.Tensor:
     """Page lists ``[..., H, min(max k, num_pages)]`` (-1 = unused) from scores ``[..., H, num_pages]``
     and lengths ``[..., H]`` (any leading batch dims): every head's first ``n_sink`` and last
     ``n_recent`` pages, then its best-scoring pages up to ``k`` pages in all. ``k`` is an int or a

@@ -82,6 +82,11 @@ class PyramidKV(SnapKV):
         return float(self.budget_for(num_tokens))
 
     def layer_budgets(self, layer: int, lengths, num_tokens: int) -> list[int]:
-        budgets = pyramid_budgets(self.shape.num_layers, self.average_budget(num_tokens), self.params.window_size,
-                                  int(lengths.max()), self.params.beta)
+        budgets = pyramid_budgets(
+            self.shape.num_layers,
+            self.average_budget(num_tokens),
+            self.params.window_size,
+            int(lengths.max()),
+            self.params.beta,
+        )
         return [max(1, budgets[layer])] * len(lengths)

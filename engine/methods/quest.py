@@ -116,8 +116,9 @@ class Quest(SparseMethod):
     def prepare_graph_decode(self, cache, seq_ids) -> None:
         self.bounds(cache).ensure_layers(cache, seq_ids, range(self.params.dense_layers, self.shape.num_layers))
 
-    def graph_decode_view(self, layer: int, cache, q: torch.Tensor, tables: torch.Tensor,
-                          lengths: torch.Tensor) -> torch.Tensor | None:
+    def graph_decode_view(
+        self, layer: int, cache, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor | None:
         if layer < self.params.dense_layers:
             return None
         return self._select(cache, q, tables, lengths, self.pages_for(self.spec.budget))

@@ -28,8 +28,9 @@ def fused(q: torch.Tensor) -> bool:
     return triton is not None and q.is_cuda and D >= 16 and D & (D - 1) == 0
 
 
-def page_scores_fused(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, tables: torch.Tensor,
-                      block_pages: int = 64) -> torch.Tensor:
+def page_scores_fused(
+    q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, tables: torch.Tensor, block_pages: int = 64
+) -> torch.Tensor:
     """Quest's bound for queries ``q`` ``[B, Hq, D]`` against the pages ``tables`` ``[B, H, NP]``
     (physical ids, -1 past a head's end) of the bounds store ``lo``, ``hi`` ``[num_pages + 1, D]``:
     ``[B, H, NP]`` float32, equal to ``page_scores(q, lo[tables], hi[tables])`` up to summation order."""
@@ -42,8 +43,22 @@ def page_scores_fused(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, table
     q = q.contiguous()
     lo, hi = lo.contiguous(), hi.contiguous()
     _page_scores_kernel[(B * H, triton.cdiv(NP, block_pages))](
-        q, q.stride(0), q.stride(1), lo, hi, tables, tables.stride(0), tables.stride(1), tables.stride(2),
-        out, NP, H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK_P=block_pages,
+        q,
+        q.stride(0),
+        q.stride(1),
+        lo,
+        hi,
+        tables,
+        tables.stride(0),
+        tables.stride(1),
+        tables.stride(2),
+        out,
+        NP,
+        H=H,
+        G=G,
+        GP=max(16, triton.next_power_of_2(G)),
+        D=D,
+        BLOCK_P=block_pages,
         PREC="ieee" if lo.dtype == torch.float32 else "tf32",
     )
     return out
@@ -52,9 +67,25 @@ def page_scores_fused(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, table
 if triton is not None:
 
     @triton.jit
-    def _page_scores_kernel(Q, stride_qb, stride_qh, Lo, Hi, Tables, stride_tb, stride_th, stride_tp, Out, NP,
-                            H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                            BLOCK_P: tl.constexpr, PREC: tl.constexpr):
+    def _page_scores_kernel(
+        Q,
+        stride_qb,
+        stride_qh,
+        Lo,
+        Hi,
+        Tables,
+        stride_tb,
+        stride_th,
+        stride_tp,
+        Out,
+        NP,
+        H: tl.constexpr,
+        G: tl.constexpr,
+        GP: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        PREC: tl.constexpr,
+    ):
         bh = tl.program_id(0)
         b = bh // H
         h = bh % H

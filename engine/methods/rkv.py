@@ -41,7 +41,9 @@ class RKVParams:
     lam: float = 0.1
 
 
-def rkv_scores(probs: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, kernel_size: int, lam: float) -> torch.Tensor:
+def rkv_scores(
+    probs: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, kernel_size: int, lam: float
+) -> torch.Tensor:
     """Window probabilities ``[Hq, w, T]`` and keys ``[H, T, D]`` -> ``[H, T]`` scores, the window
     (each head's last w tokens) forced to the top."""
     Hq, w, _ = probs.shape
@@ -92,7 +94,7 @@ class RKV(SparseMethod):
                 continue
             q, q_pos = self._window.queries(seq_id, layer)
             k, _, k_pos, _ = batch.cache.gather(seq_id, layer)
-            probs = window_probs(q, q_pos, k, k_pos, self.shape.head_dim ** -0.5)
+            probs = window_probs(q, q_pos, k, k_pos, self.shape.head_dim**-0.5)
             scores = rkv_scores(probs, k, lengths, self.params.kernel_size, self.params.lam)
             out[seq_id] = topk_per_head(scores, lengths, [budget] * len(lengths))
         return out

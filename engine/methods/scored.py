@@ -52,7 +52,7 @@ def topk_per_head(scores: torch.Tensor, lengths: torch.Tensor, budgets) -> "torc
         return out
     H, dev = len(n), scores.device
     if len(groups) == 1 and len(next(iter(groups.values()))) == H:  # the usual case: one call, no gather
-        (length, k), = groups
+        ((length, k),) = groups
         return scores[:, :length].float().topk(k, dim=-1).indices.sort(dim=-1).values  # [H, k]: a row per head
     else:
         idx = torch.full((H, max(k for _, k in groups)), scores.shape[-1], dtype=torch.int64, device=dev)
@@ -155,8 +155,9 @@ class ScoredEviction(SparseMethod, ABC):
             due = group.any_rank(due)
         if not due:
             return None
-        keep = self.select(layer, rank_protected_last(rule.score(layer, chunk), chunk.protected), chunk.lengths,
-                           chunk.num_tokens)
+        keep = self.select(
+            layer, rank_protected_last(rule.score(layer, chunk), chunk.protected), chunk.lengths, chunk.num_tokens
+        )
         rule.on_kept(layer, chunk.seq_id, keep)
         return keep
 

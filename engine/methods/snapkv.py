@@ -43,12 +43,14 @@ class SnapKVParams:
 def snapkv_scores(probs: torch.Tensor, lengths: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
     """SnapKV's score from window probabilities ``[Hq, w, T]``: ``[H, T]``, the window (the last w
     tokens of each head) ranked above every other token, later ones higher, -inf past each head's end."""
-    return scores_from_window_sums(probs[..., : int(lengths.max())].float().sum(1), probs.shape[1], lengths,
-                                   kernel_size, pooling)
+    return scores_from_window_sums(
+        probs[..., : int(lengths.max())].float().sum(1), probs.shape[1], lengths, kernel_size, pooling
+    )
 
 
-def scores_from_window_sums(summed: torch.Tensor, w: int, lengths: torch.Tensor, kernel_size: int,
-                            pooling: str) -> torch.Tensor:
+def scores_from_window_sums(
+    summed: torch.Tensor, w: int, lengths: torch.Tensor, kernel_size: int, pooling: str
+) -> torch.Tensor:
     """The same from the window's probabilities summed over its ``w`` queries, ``[Hq, T]``, rows of
     query heads grouped by kv-head (several layers stacked are several groups of heads).
 
@@ -119,8 +121,9 @@ class SnapKV(ScoredEviction):
         if tail is not None:  # the window spans the chunk before: recompute its attention
             q, end = tail
             k, _, k_pos, _ = chunk.cache.gather(chunk.seq_id, layer)
-            probs = window_probs(q, torch.arange(end - q.shape[0], end, device=k.device), k, k_pos,
-                                 self.shape.head_dim ** -0.5)
+            probs = window_probs(
+                q, torch.arange(end - q.shape[0], end, device=k.device), k, k_pos, self.shape.head_dim**-0.5
+            )
         return snapkv_scores(probs, chunk.lengths, self.params.kernel_size, self.params.pooling)
 
     # --- every layer of a prompt scored at once -----------------------------------------------------
@@ -143,7 +146,9 @@ class SnapKV(ScoredEviction):
             self.on_kept(layer, chunk.seq_id, keep)
             return keep
         if rec is None:
-            rec = self._deferred[chunk.seq_id] = _Deferred(chunk.num_tokens, T, chunk.probs.shape[1], chunk.protected, {})
+            rec = self._deferred[chunk.seq_id] = _Deferred(
+                chunk.num_tokens, T, chunk.probs.shape[1], chunk.protected, {}
+            )
         rec.sums[layer] = chunk.probs[..., :T].float().sum(1)
         return None
 
@@ -159,8 +164,9 @@ class SnapKV(ScoredEviction):
             layers = sorted(rec.sums)
             rows = len(layers) * H
             sums = torch.cat([rec.sums[layer] for layer in layers])  # [layers * Hq, length]
-            scores = scores_from_window_sums(sums, rec.window, torch.full((rows,), rec.length),
-                                             self.params.kernel_size, self.params.pooling)
+            scores = scores_from_window_sums(
+                sums, rec.window, torch.full((rows,), rec.length), self.params.kernel_size, self.params.pooling
+            )
             best = rank_protected_last(scores, rec.protected).topk(self.budget_for(rec.num_tokens), dim=-1).indices
             kept = torch.zeros(rows, rec.length, dtype=torch.bool, device=device).scatter_(1, best, True)
             mask[b, layers, :, : rec.length] = kept.view(len(layers), H, rec.length)
@@ -182,7 +188,7 @@ class SnapKV(ScoredEviction):
                 continue
             q, q_pos = self._decode.queries(seq_id, layer)
             k, _, k_pos, _ = batch.cache.gather(seq_id, layer)
-            probs = window_probs(q, q_pos, k, k_pos, self.shape.head_dim ** -0.5)
+            probs = window_probs(q, q_pos, k, k_pos, self.shape.head_dim**-0.5)
             scores = snapkv_scores(probs, lengths, self.params.kernel_size, self.params.pooling)
             out[seq_id] = topk_per_head(scores, lengths, [budget] * len(lengths))
         return out

@@ -73,8 +73,16 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, **f)
         self.split = (q_size, kv_size, kv_size)
 
-    def forward(self, layer: int, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: AttendFn,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer on (the previous layer's output, the residual stream): returns both for the next."""
         cfg = self.cfg
         n = x.shape[0]
@@ -135,8 +143,13 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: AttendFn,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits for the tokens at ``logits_indices`` (all tokens when None)."""
         x = self.embed_tokens(input_ids)
         residual = None
@@ -179,7 +192,9 @@ class LlamaForCausalLM(nn.Module):
                 if cfg.qk_norm:
                     layer.q_norm.weight.copy_(take(p + "self_attn.q_norm.weight"))
                     layer.k_norm.weight.copy_(take(p + "self_attn.k_norm.weight"))
-                layer.gate_up_proj.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+                layer.gate_up_proj.weight.copy_(
+                    torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+                )
                 layer.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
         # a tied checkpoint may still carry lm_head.weight (a copy of the embeddings)
         unused = sorted(set(tensors) - filled - {"lm_head.weight"} - {k for k in tensors if "rotary_emb" in k})

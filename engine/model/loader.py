@@ -87,7 +87,9 @@ def parse_hf_config(hf_config: Any) -> ModelConfig:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     rope = getattr(hf_config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") == "dynamic":
-        raise ModelLoadError("dynamic NTK RoPE changes the frequencies with the sequence length; chainkv supports static RoPE types only")
+        raise ModelLoadError(
+            "dynamic NTK RoPE changes the frequencies with the sequence length; chainkv supports static RoPE types only"
+        )
     sliding = getattr(hf_config, "sliding_window", None)
     if kind == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
         sliding = None
@@ -128,7 +130,9 @@ def resolve_model_dir(model: str | None, need_weights: bool = True) -> Path:
             raise ModelLoadError(f"GGUF file not found: {path}")
         return convert_gguf(path, cache_root() / "models" / path.stem)
     if not path.exists():
-        raise ModelLoadError(f"model {model!r} is neither {DEFAULT_MODEL!r}, an HF folder nor a .gguf file (no such path)")
+        raise ModelLoadError(
+            f"model {model!r} is neither {DEFAULT_MODEL!r}, an HF folder nor a .gguf file (no such path)"
+        )
     if not path.is_dir():
         raise ModelLoadError(f"model path {path} is a file; give an HF folder or a .gguf file")
     if not (path / "config.json").is_file():

@@ -24,8 +24,10 @@ def _fused(x: torch.Tensor) -> bool:
 
 # --- RMSNorm (with the residual add) -------------------------------------------------------------
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual = x + residual`` (or ``x``), then ``rms_norm(residual) * weight``: (normed, residual)."""
     if _fused(x) and x.shape[-1] <= 16384:
         return _add_rms_norm_triton(x, residual, weight, eps)
@@ -46,8 +48,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 # --- RoPE -----------------------------------------------------------------------------------------
 
-def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+
+def rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE of q ``[N, Hq, D]`` and k ``[N, H, D]`` at ``positions`` (tables float32
     ``[max_len, D]``). On the GPU it rotates in place (q and k may be views into the QKV output)."""
     if _fused(q):
@@ -65,6 +69,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 # --- SwiGLU ---------------------------------------------------------------------------------------
 
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dim."""
     if _fused(gate_up):
@@ -78,8 +83,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _add_rms_norm_kernel(X, R, W, Out, Rout, stride_x, stride_r, n_cols, eps,
-                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(
+        X, R, W, Out, Rout, stride_x, stride_r, n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -94,8 +100,21 @@ if triton is not None:
         tl.store(Out + row * n_cols + cols, (w.to(tl.float32) * h.to(tl.float32)).to(x.dtype), mask=mask)
 
     @triton.jit
-    def _rope_kernel(Q, K, Pos, Cos, Sin, stride_qn, stride_qh, stride_kn, stride_kh,
-                     HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HB: tl.constexpr):
+    def _rope_kernel(
+        Q,
+        K,
+        Pos,
+        Cos,
+        Sin,
+        stride_qn,
+        stride_qh,
+        stride_kn,
+        stride_kh,
+        HQ: tl.constexpr,
+        HK: tl.constexpr,
+        D: tl.constexpr,
+        HB: tl.constexpr,
+    ):
         n = tl.program_id(0).to(tl.int64)
         half = D // 2
         i = tl.arange(0, D // 2)
@@ -145,9 +164,20 @@ def _add_rms_norm_triton(x, residual, weight, eps):
     else:
         r2, rout = x2, out
     if rows:
-        _add_rms_norm_kernel[(rows,)](x2, r2, weight, out, rout, x2.stride(0), r2.stride(0), n, eps,
-                                      HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n),
-                                      num_warps=4 if n <= 4096 else 8)
+        _add_rms_norm_kernel[(rows,)](
+            x2,
+            r2,
+            weight,
+            out,
+            rout,
+            x2.stride(0),
+            r2.stride(0),
+            n,
+            eps,
+            HAS_RES=residual is not None,
+            BLOCK=triton.next_power_of_2(n),
+            num_warps=4 if n <= 4096 else 8,
+        )
     return out.view(shape), (rout.view(shape) if residual is not None else x)
 
 
@@ -157,8 +187,21 @@ def _rope_triton(q, k, positions, cos, sin):
     if N == 0:
         return
     assert q.stride(-1) == 1 and k.stride(-1) == 1
-    _rope_kernel[(N,)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                       HQ=HQ, HK=HK, D=D, HB=triton.next_power_of_2(max(HQ, HK)))
+    _rope_kernel[(N,)](
+        q,
+        k,
+        positions,
+        cos,
+        sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        HQ=HQ,
+        HK=HK,
+        D=D,
+        HB=triton.next_power_of_2(max(HQ, HK)),
+    )
 
 
 def _silu_mul_triton(x):

@@ -81,15 +81,24 @@ def build_app(server: "SidecarServer", options: HttpOptions | None = None) -> Fa
     async def body(request: Request) -> dict:
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > o.max_body_bytes):
-            raise OpenAIError(413, f"the request body is larger than {o.max_body_bytes} bytes", code="request_too_large")
+            raise OpenAIError(
+                413, f"the request body is larger than {o.max_body_bytes} bytes", code="request_too_large"
+            )
         raw = await request.body()
         if len(raw) > o.max_body_bytes:
-            raise OpenAIError(413, f"the request body is larger than {o.max_body_bytes} bytes", code="request_too_large")
+            raise OpenAIError(
+                413, f"the request body is larger than {o.max_body_bytes} bytes", code="request_too_large"
+            )
         return body_object(raw)
 
     def model_card() -> dict:
-        return {"id": model, "object": "model", "created": created, "owned_by": "chainkv",
-                "max_model_len": server.engine.max_model_len}
+        return {
+            "id": model,
+            "object": "model",
+            "created": created,
+            "owned_by": "chainkv",
+            "max_model_len": server.engine.max_model_len,
+        }
 
     @app.get("/health")
     async def health():
@@ -108,13 +117,16 @@ def build_app(server: "SidecarServer", options: HttpOptions | None = None) -> Fa
     async def get_model(model_id: str, authorization: str | None = Header(None)):
         backend.tenant(authorization)
         if model_id != model:
-            raise OpenAIError(404, f"The model {model_id[:200]!r} does not exist", param="model", code="model_not_found")
+            raise OpenAIError(
+                404, f"The model {model_id[:200]!r} does not exist", param="model", code="model_not_found"
+            )
         return model_card()
 
     @app.post("/v1/chat/completions")
     @_openai_errors
-    async def chat_completions(request: Request, authorization: str | None = Header(None),
-                               x_session_id: str | None = Header(None)):
+    async def chat_completions(
+        request: Request, authorization: str | None = Header(None), x_session_id: str | None = Header(None)
+    ):
         out = await chat.create(await body(request), authorization, x_session_id)
         if isinstance(out, dict):
             return out
@@ -155,8 +167,15 @@ class HttpFront:
         import uvicorn
 
         o = self.options
-        config = uvicorn.Config(self.app, host=o.host, port=o.port, log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            self.app,
+            host=o.host,
+            port=o.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+        )
         self._server = uvicorn.Server(config)
         self._server.capture_signals = contextlib.nullcontext  # the sidecar owns SIGINT / SIGTERM
         self._task = asyncio.create_task(self._server.serve(), name="chainkv-http")

@@ -23,8 +23,14 @@ from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.chat import tool_from_json, tools_digest
 from sidecar.http import requests as rq
 from sidecar.http.backend import SessionBackend, prepend
-from sidecar.http.conversations import (FRONT_KEY, TranscriptIndex, chain, prefix_digests, seed_digest,
-                                        session_id_for_key)
+from sidecar.http.conversations import (
+    FRONT_KEY,
+    TranscriptIndex,
+    chain,
+    prefix_digests,
+    seed_digest,
+    session_id_for_key,
+)
 from sidecar.http.errors import from_exception, invalid
 from sidecar.protocol import InvalidRequest, message_dict
 
@@ -60,9 +66,13 @@ def parse_messages(raw: Any) -> list[pb.Message]:
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
                     raise invalid(f"{where}.tool_calls[{j}] needs a function with a name", "messages")
                 call_id = c.get("id") if isinstance(c.get("id"), str) else ""
-                msg.tool_calls.append(pb.ToolCall(id=call_id[:256], name=fn["name"][:128],
-                                                  arguments_json=rq.arguments_object(fn.get("arguments", "{}"),
-                                                                                     f"{where}.tool_calls[{j}]")))
+                msg.tool_calls.append(
+                    pb.ToolCall(
+                        id=call_id[:256],
+                        name=fn["name"][:128],
+                        arguments_json=rq.arguments_object(fn.get("arguments", "{}"), f"{where}.tool_calls[{j}]"),
+                    )
+                )
         out.append(msg)
     return out
 
@@ -101,8 +111,14 @@ class ChatCompletions:
             tdigest = tools_digest([tool_from_json(t.name, t.description, t.parameters_json) for t in base.tools])
         except (InvalidRequest, ValueError) as e:
             raise invalid(str(e)) from None
-        method = json.dumps([base.method, base.budget if base.HasField("budget") else None,
-                             base.budget_ratio if base.HasField("budget_ratio") else None, sorted(base.method_args.items())])
+        method = json.dumps(
+            [
+                base.method,
+                base.budget if base.HasField("budget") else None,
+                base.budget_ratio if base.HasField("budget_ratio") else None,
+                sorted(base.method_args.items()),
+            ]
+        )
         digests = prefix_digests(seed_digest(tenant, tdigest, method), dicts)
         plan = await self._plan(tenant, key_hint, digests, messages)
         run = _Run(self, authorization, base, plan, messages, digests, dicts, model, bool(opts.get("include_usage")))
@@ -157,7 +173,13 @@ def _continues(s, digests: list[bytes], messages: list) -> int | None:
 
 class _Plan:
     def __init__(self, session_id: str, key: str, start: int, turn_index: int | None, explicit: bool):
-        self.session_id, self.key, self.start, self.turn_index, self.explicit = session_id, key, start, turn_index, explicit
+        self.session_id, self.key, self.start, self.turn_index, self.explicit = (
+            session_id,
+            key,
+            start,
+            turn_index,
+            explicit,
+        )
 
 
 class _Run:
@@ -174,7 +196,7 @@ class _Run:
         req = pb.TurnRequest()
         req.CopyFrom(self.base)
         req.session_id = plan.session_id
-        req.messages.extend(self.messages[plan.start:])
+        req.messages.extend(self.messages[plan.start :])
         if plan.start:  # a continuation: the tools are the session's
             del req.tools[:]
             req.expected_turn_index = plan.turn_index
@@ -200,8 +222,11 @@ class _Run:
     def _remember(self, plan: _Plan, c: pb.TurnCompletion) -> None:
         """The session's transcript now ends with this reply (no await here: the snapshot the turn
         just queued carries it)."""
-        reply = {"role": "assistant", "content": c.text,
-                 "tool_calls": [{"name": t.name, "arguments": json.loads(t.arguments_json or "{}")} for t in c.tool_calls]}
+        reply = {
+            "role": "assistant",
+            "content": c.text,
+            "tool_calls": [{"name": t.name, "arguments": json.loads(t.arguments_json or "{}")} for t in c.tool_calls],
+        }
         digest = chain(self.digests[len(self.messages)], reply)
         s = self.owner.backend.local(plan.key)
         if s is not None:
@@ -217,16 +242,28 @@ class _Run:
         message: dict[str, Any] = {"role": "assistant", "content": c.text if (c.text or not c.tool_calls) else None}
         if c.tool_calls:
             message["tool_calls"] = [_tool_call(t) for t in c.tool_calls]
-        out = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-               "choices": [{"index": 0, "message": message, "finish_reason": FINISH.get(c.finish_reason, "stop"),
-                            "logprobs": None}],
-               "usage": _usage(c.usage), "system_fingerprint": None}
+        out = {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {"index": 0, "message": message, "finish_reason": FINISH.get(c.finish_reason, "stop"), "logprobs": None}
+            ],
+            "usage": _usage(c.usage),
+            "system_fingerprint": None,
+        }
         return ChatCompletion.model_validate(out).model_dump(mode="json", exclude_unset=True)
 
     async def sse(self, events: AsyncIterator[pb.TurnEvent], first: pb.TurnEvent) -> AsyncIterator[str]:
         def chunk(choices, usage=None) -> str:
-            body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                    "choices": choices}
+            body = {
+                "id": self.id,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.model,
+                "choices": choices,
+            }
             if usage is not None:
                 body["usage"] = usage
             data = ChatCompletionChunk.model_validate(body).model_dump(mode="json", exclude_unset=True)
@@ -260,6 +297,9 @@ def _tool_call(t: pb.ToolCall) -> dict:
 
 def _usage(u: pb.Usage) -> dict:
     prompt = max(0, u.history_tokens - u.generated_tokens)
-    return {"prompt_tokens": prompt, "completion_tokens": u.generated_tokens,
-            "total_tokens": prompt + u.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.reused_tokens}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": u.generated_tokens,
+        "total_tokens": prompt + u.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.reused_tokens},
+    }

@@ -36,8 +36,14 @@ _HTTP = {
 class OpenAIError(Exception):
     """An error to answer with OpenAI's error JSON."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
@@ -82,8 +88,9 @@ def install(app) -> None:
     async def _validation(request: Request, e: RequestValidationError):
         first = (e.errors() or [{}])[0]
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        return invalid(f"{loc}: {first.get('msg', 'invalid')}" if loc else str(first.get("msg", "invalid request")),
-                       loc or None).response()
+        return invalid(
+            f"{loc}: {first.get('msg', 'invalid')}" if loc else str(first.get("msg", "invalid request")), loc or None
+        ).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):

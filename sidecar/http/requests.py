@@ -39,8 +39,13 @@ def check_model(body: dict, served: str) -> str:
     if not isinstance(model, str) or not model:
         raise invalid("model is required", "model")
     if model != served:
-        raise OpenAIError(404, f"The model {model[:200]!r} does not exist; this server serves {served!r}",
-                          "invalid_request_error", "model", "model_not_found")
+        raise OpenAIError(
+            404,
+            f"The model {model[:200]!r} does not exist; this server serves {served!r}",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
     return model
 
 
@@ -107,7 +112,7 @@ def set_extension(req: pb.TurnRequest, body: dict) -> None:
     if ext is None:
         return
     if not isinstance(ext, dict):
-        raise invalid("chainkv must be an object like {\"method\": \"snapkv\", \"budget\": 1024}", "chainkv")
+        raise invalid('chainkv must be an object like {"method": "snapkv", "budget": 1024}', "chainkv")
     unknown = set(ext) - {"method", "budget", "budget_ratio", "method_args"}
     if unknown:
         raise invalid(f"unknown chainkv field(s): {', '.join(sorted(map(str, unknown)))}", "chainkv")
@@ -161,7 +166,7 @@ def set_tools(req: pb.TurnRequest, tools: Any, nested: bool) -> None:
 
 
 def set_tool_choice(req: pb.TurnRequest, choice: Any, nested: bool) -> None:
-    """"none", "auto", "required", or a named function (``{"type": "function", "function": {"name"}}``
+    """ "none", "auto", "required", or a named function (``{"type": "function", "function": {"name"}}``
     in Chat Completions, ``{"type": "function", "name"}`` in the Responses API)."""
     if choice is None:
         return
@@ -176,8 +181,7 @@ def set_tool_choice(req: pb.TurnRequest, choice: Any, nested: bool) -> None:
         if isinstance(name, str) and name:
             req.tool_choice.mode, req.tool_choice.function_name = "function", name
             return
-    raise invalid("tool_choice must be none, auto, required or {\"type\": \"function\", ...} with a name",
-                  "tool_choice")
+    raise invalid('tool_choice must be none, auto, required or {"type": "function", ...} with a name', "tool_choice")
 
 
 def set_format(req: pb.TurnRequest, fmt: Any, param: str, nested: bool) -> None:
@@ -208,7 +212,11 @@ def text_content(content: Any, where: str, part_types: tuple[str, ...] = ("text"
     if isinstance(content, list):
         out = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") not in part_types or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") not in part_types
+                or not isinstance(part.get("text"), str)
+            ):
                 raise invalid(f"{where}: only text content is supported", where)
             out.append(part["text"])
         return "".join(out)

@@ -51,8 +51,13 @@ def session_of(resp_id: Any) -> str:
         sid = base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).decode()
         return check_id(sid)
     except (ValueError, binascii.Error, UnicodeDecodeError, BadSessionId):
-        raise OpenAIError(404, f"No response found with id {str(resp_id)[:200]!r}", "invalid_request_error",
-                          "response_id", "response_not_found") from None
+        raise OpenAIError(
+            404,
+            f"No response found with id {str(resp_id)[:200]!r}",
+            "invalid_request_error",
+            "response_id",
+            "response_not_found",
+        ) from None
 
 
 def parse_input(raw: Any, instructions: str | None) -> list[pb.Message]:
@@ -75,8 +80,9 @@ def parse_input(raw: Any, instructions: str | None) -> list[pb.Message]:
             name, call_id = it.get("name"), it.get("call_id", "")
             if not isinstance(name, str) or not name or not isinstance(call_id, str):
                 raise invalid(f"{where}: a function_call needs a name and a call_id", "input")
-            call = pb.ToolCall(id=call_id[:256], name=name[:128],
-                               arguments_json=rq.arguments_object(it.get("arguments", "{}"), where))
+            call = pb.ToolCall(
+                id=call_id[:256], name=name[:128], arguments_json=rq.arguments_object(it.get("arguments", "{}"), where)
+            )
             if out and out[-1].role == "assistant":
                 out[-1].tool_calls.append(call)
             else:
@@ -108,8 +114,14 @@ class Responses:
         if instructions is not None and not isinstance(instructions, str):
             raise invalid("instructions must be a string", "instructions")
         metadata = body.get("metadata") or {}
-        if not isinstance(metadata, dict) or len(metadata) > 16 or not all(
-                isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in metadata.items()):
+        if (
+            not isinstance(metadata, dict)
+            or len(metadata) > 16
+            or not all(
+                isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+                for k, v in metadata.items()
+            )
+        ):
             raise invalid("metadata must map at most 16 short strings to strings", "metadata")
         req = pb.TurnRequest()
         rq.set_sampling(req, body, ("max_output_tokens",))
@@ -132,11 +144,19 @@ class Responses:
                 # a response this replica has not seen: its session went on elsewhere (the store has it)
                 s = await b.find_newer(b.key(tenant, sid), s.turn_index + 1)
             if s is None or prev not in s.front.get("responses", {}):
-                raise OpenAIError(404, f"No response found with id {prev[:200]!r}", "invalid_request_error",
-                                  "previous_response_id", "response_not_found")
+                raise OpenAIError(
+                    404,
+                    f"No response found with id {prev[:200]!r}",
+                    "invalid_request_error",
+                    "previous_response_id",
+                    "response_not_found",
+                )
             if s.front.get("latest_response") != prev:
-                raise invalid("previous_response_id must be the latest response of its conversation (branching "
-                              "from an earlier response is not supported)", "previous_response_id")
+                raise invalid(
+                    "previous_response_id must be the latest response of its conversation (branching "
+                    "from an earlier response is not supported)",
+                    "previous_response_id",
+                )
             req.expected_turn_index = s.turn_index
         elif conv_id is not None:
             try:
@@ -150,13 +170,21 @@ class Responses:
         req.session_id = sid
         req.messages.extend(parse_input(body.get("input"), instructions if session_new else None))
         key = b.key(tenant, sid)
-        echo = {"model": model, "instructions": instructions, "metadata": metadata, "previous_response_id": prev,
-                "conversation": {"id": sid} if conv_id is not None else None, "store": store,
-                "temperature": req.temperature if req.HasField("temperature") else 1.0,
-                "top_p": req.top_p if req.HasField("top_p") else 1.0,
-                "max_output_tokens": req.max_tokens if req.HasField("max_tokens") else None,
-                "tools": [_tool_echo(t) for t in req.tools], "tool_choice": _choice_echo(req.tool_choice),
-                "text": {"format": text_opts.get("format") or {"type": "text"}}, "parallel_tool_calls": False}
+        echo = {
+            "model": model,
+            "instructions": instructions,
+            "metadata": metadata,
+            "previous_response_id": prev,
+            "conversation": {"id": sid} if conv_id is not None else None,
+            "store": store,
+            "temperature": req.temperature if req.HasField("temperature") else 1.0,
+            "top_p": req.top_p if req.HasField("top_p") else 1.0,
+            "max_output_tokens": req.max_tokens if req.HasField("max_tokens") else None,
+            "tools": [_tool_echo(t) for t in req.tools],
+            "tool_choice": _choice_echo(req.tool_choice),
+            "text": {"format": text_opts.get("format") or {"type": "text"}},
+            "parallel_tool_calls": False,
+        }
         run = _Run(self, authorization, req, key, echo, ephemeral=not store and prev is None and conv_id is None)
         turn = b.turn(authorization, req)
         if stream:
@@ -178,8 +206,13 @@ class Responses:
             s = await b.find_newer(key, s.turn_index + 1)  # made by another replica after this copy
         record = None if s is None else s.front.get("responses", {}).get(resp_id)
         if record is None:
-            raise OpenAIError(404, f"No response found with id {resp_id[:200]!r}", "invalid_request_error",
-                              "response_id", "response_not_found")
+            raise OpenAIError(
+                404,
+                f"No response found with id {resp_id[:200]!r}",
+                "invalid_request_error",
+                "response_id",
+                "response_not_found",
+            )
         return key, s, record
 
     async def get(self, resp_id: str, authorization: str | None) -> dict:
@@ -205,15 +238,27 @@ class _Run:
         self.final: dict | None = None
 
     def response(self, status: str, completion: pb.TurnCompletion | None = None) -> dict:
-        body = dict(self.echo, id=self.id, object="response", created_at=self.created, status=status,
-                    output=self.output, error=None, incomplete_details=None, usage=None)
+        body = dict(
+            self.echo,
+            id=self.id,
+            object="response",
+            created_at=self.created,
+            status=status,
+            output=self.output,
+            error=None,
+            incomplete_details=None,
+            usage=None,
+        )
         if completion is not None:
             u = completion.usage
             prompt = max(0, u.history_tokens - u.generated_tokens)
-            body["usage"] = {"input_tokens": prompt,
-                             "input_tokens_details": {"cached_tokens": u.reused_tokens, "cache_write_tokens": 0},
-                             "output_tokens": u.generated_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                             "total_tokens": prompt + u.generated_tokens}
+            body["usage"] = {
+                "input_tokens": prompt,
+                "input_tokens_details": {"cached_tokens": u.reused_tokens, "cache_write_tokens": 0},
+                "output_tokens": u.generated_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt + u.generated_tokens,
+            }
             if completion.finish_reason == pb.FINISH_REASON_LENGTH:
                 body["incomplete_details"] = {"reason": "max_output_tokens"}
         return Response.model_validate(body).model_dump(mode="json", exclude_none=False)
@@ -231,31 +276,62 @@ class _Run:
         async for ev in turn:
             if ev.HasField("delta") and ev.delta.text:
                 if message is None:
-                    message = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant",
-                               "status": "in_progress", "content": []}
+                    message = {
+                        "id": "msg_" + uuid.uuid4().hex,
+                        "type": "message",
+                        "role": "assistant",
+                        "status": "in_progress",
+                        "content": [],
+                    }
                     yield self.event("response.output_item.added", output_index=len(self.output), item=dict(message))
                     self.output.append(message)
-                    yield self.event("response.content_part.added", item_id=message["id"], output_index=len(self.output) - 1,
-                                     content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                    yield self.event(
+                        "response.content_part.added",
+                        item_id=message["id"],
+                        output_index=len(self.output) - 1,
+                        content_index=0,
+                        part={"type": "output_text", "text": "", "annotations": []},
+                    )
                     message["content"] = [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]
                 message["content"][0]["text"] += ev.delta.text
-                yield self.event("response.output_text.delta", item_id=message["id"], output_index=len(self.output) - 1,
-                                 content_index=0, delta=ev.delta.text, logprobs=[])
+                yield self.event(
+                    "response.output_text.delta",
+                    item_id=message["id"],
+                    output_index=len(self.output) - 1,
+                    content_index=0,
+                    delta=ev.delta.text,
+                    logprobs=[],
+                )
             elif ev.HasField("tool_call"):
                 for e in self._close(message):
                     yield e
                 message = None
                 t = ev.tool_call
-                item = {"id": "fc_" + uuid.uuid4().hex, "type": "function_call", "call_id": t.id, "name": t.name,
-                        "arguments": "", "status": "in_progress"}
+                item = {
+                    "id": "fc_" + uuid.uuid4().hex,
+                    "type": "function_call",
+                    "call_id": t.id,
+                    "name": t.name,
+                    "arguments": "",
+                    "status": "in_progress",
+                }
                 yield self.event("response.output_item.added", output_index=len(self.output), item=dict(item))
                 self.output.append(item)
                 idx = len(self.output) - 1
-                yield self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
-                                 delta=t.arguments_json or "{}")
+                yield self.event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=idx,
+                    delta=t.arguments_json or "{}",
+                )
                 item.update(arguments=t.arguments_json or "{}", status="completed")
-                yield self.event("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                                 arguments=item["arguments"], name=t.name)
+                yield self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=idx,
+                    arguments=item["arguments"],
+                    name=t.name,
+                )
                 yield self.event("response.output_item.done", output_index=idx, item=dict(item))
             elif ev.HasField("completion"):
                 for e in self._close(message):
@@ -272,11 +348,24 @@ class _Run:
         idx = self.output.index(message)
         part = message["content"][0]
         message["status"] = "completed"
-        return [self.event("response.output_text.done", item_id=message["id"], output_index=idx, content_index=0,
-                           text=part["text"], logprobs=[]),
-                self.event("response.content_part.done", item_id=message["id"], output_index=idx, content_index=0,
-                           part={"type": "output_text", "text": part["text"], "annotations": []}),
-                self.event("response.output_item.done", output_index=idx, item=dict(message))]
+        return [
+            self.event(
+                "response.output_text.done",
+                item_id=message["id"],
+                output_index=idx,
+                content_index=0,
+                text=part["text"],
+                logprobs=[],
+            ),
+            self.event(
+                "response.content_part.done",
+                item_id=message["id"],
+                output_index=idx,
+                content_index=0,
+                part={"type": "output_text", "text": part["text"], "annotations": []},
+            ),
+            self.event("response.output_item.done", output_index=idx, item=dict(message)),
+        ]
 
     def _record(self, final: dict) -> None:
         """Keep the response with its session (no await: the snapshot the turn just queued carries it)."""
@@ -319,8 +408,13 @@ class _Run:
 
 
 def _tool_echo(t: pb.Tool) -> dict:
-    return {"type": "function", "name": t.name, "description": t.description or None,
-            "parameters": json.loads(t.parameters_json) if t.parameters_json else None, "strict": False}
+    return {
+        "type": "function",
+        "name": t.name,
+        "description": t.description or None,
+        "parameters": json.loads(t.parameters_json) if t.parameters_json else None,
+        "strict": False,
+    }
 
 
 def _choice_echo(c: pb.ToolChoice):

@@ -57,8 +57,9 @@ def hmac_args(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(redis_proc, hmac_args):
     p1 = Sidecar(redis_proc.url, *hmac_args).start()
-    p2 = Sidecar(redis_proc.url, *hmac_args, "--metrics-port", "0", "--metrics-host", "127.0.0.1",
-                 "--log-format", "json").start()
+    p2 = Sidecar(
+        redis_proc.url, *hmac_args, "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--log-format", "json"
+    ).start()
     procs = {"p1": p1, "p2": p2, "args": hmac_args}
     try:
         p1.wait_ready(), p2.wait_ready()
@@ -93,9 +94,16 @@ def test_sigkill_mid_stream_then_resume_elsewhere(cluster, redis_proc, reliabili
     assert info.source_tier == pb.TIER_STORE and info.turn_index == 2
     third = run(p2.stub, request("k1", TURNS[2], expected_turn_index=2))
     assert third.token_ids == ref[2].token_ids and third.usage.source_tier == pb.TIER_STORE
-    reliability_report["faults"].append({"fault": "SIGKILL sidecar mid-stream", "count": 1, "sessions": 1,
-                                         "sessions_lost": 0, "committed_turns_lost": 0,
-                                         "resumed_identical": third.token_ids == ref[2].token_ids})
+    reliability_report["faults"].append(
+        {
+            "fault": "SIGKILL sidecar mid-stream",
+            "count": 1,
+            "sessions": 1,
+            "sessions_lost": 0,
+            "committed_turns_lost": 0,
+            "resumed_identical": third.token_ids == ref[2].token_ids,
+        }
+    )
 
 
 def test_redis_killed_mid_turn_and_restarted(cluster, redis_proc, reliability_report):
@@ -108,8 +116,10 @@ def test_redis_killed_mid_turn_and_restarted(cluster, redis_proc, reliability_re
     redis_proc.kill()  # crashes while the turn runs: the turn's snapshot meets a dead store
     events += list(stream)
     second = events[-1].completion
-    wait_for(lambda: p2.stub.GetSession(pb.GetSessionRequest(session_id="k3"), metadata=ALPHA).snapshot_error,
-             what="a failed snapshot attempt")
+    wait_for(
+        lambda: p2.stub.GetSession(pb.GetSessionRequest(session_id="k3"), metadata=ALPHA).snapshot_error,
+        what="a failed snapshot attempt",
+    )
     redis_proc.start()  # the same port; the append-only file brings back every acknowledged write
     assert stored_turn(redis_proc, "k1") == 3  # written before the crash: kept
     wait_for(lambda: committed(p2.stub, "k3"), timeout=120, what="the snapshot to be written after the restart")
@@ -126,10 +136,19 @@ def test_redis_killed_mid_turn_and_restarted(cluster, redis_proc, reliability_re
     assert m[("chainkv_snapshot_failures_total", (("reason", "unavailable"),))] >= 1
     assert m[("chainkv_snapshot_seconds_count", ())] >= 3
     logged = [json.loads(line) for line in p2.output if line.startswith("{")]
-    assert any(r["level"] == "WARNING" and r["logger"] == "sidecar.snapshots" and "alpha/k3" in r["msg"] for r in logged)
-    reliability_report["faults"].append({"fault": "Redis SIGKILL mid-turn + restart (AOF); the snapshot retried", "count": 1,
-                                         "sessions": 2, "sessions_lost": 0, "committed_turns_lost": 0,
-                                         "resumed_identical": True})
+    assert any(
+        r["level"] == "WARNING" and r["logger"] == "sidecar.snapshots" and "alpha/k3" in r["msg"] for r in logged
+    )
+    reliability_report["faults"].append(
+        {
+            "fault": "Redis SIGKILL mid-turn + restart (AOF); the snapshot retried",
+            "count": 1,
+            "sessions": 2,
+            "sessions_lost": 0,
+            "committed_turns_lost": 0,
+            "resumed_identical": True,
+        }
+    )
 
 
 def test_sigkill_mid_snapshot(cluster, redis_proc, reliability_report):
@@ -165,9 +184,17 @@ def test_sigkill_mid_snapshot(cluster, redis_proc, reliability_report):
         assert again.token_ids == uncommitted.token_ids == ref[1].token_ids
     third = run(p1.stub, request("k2", TURNS[2], expected_turn_index=2))
     assert third.token_ids == ref[2].token_ids
-    reliability_report["faults"].append({"fault": "SIGKILL sidecar mid-snapshot (Redis paused mid-write)",
-                                         "count": 1, "sessions": 1, "sessions_lost": 0, "committed_turns_lost": 0,
-                                         "store_turn_after_kill": at, "resumed_identical": True})
+    reliability_report["faults"].append(
+        {
+            "fault": "SIGKILL sidecar mid-snapshot (Redis paused mid-write)",
+            "count": 1,
+            "sessions": 1,
+            "sessions_lost": 0,
+            "committed_turns_lost": 0,
+            "store_turn_after_kill": at,
+            "resumed_identical": True,
+        }
+    )
 
 
 WRITER = textwrap.dedent("""
@@ -221,6 +248,13 @@ def test_local_store_writer_killed_mid_write(tmp_path, reliability_report):
         assert got.record["tokens"] == got.generation.to_bytes(4, "little")
         last_seen = got.generation
     leftovers = [p.name for p in store.folder("s").iterdir() if p.name.endswith(".tmp")]
-    reliability_report["faults"].append({"fault": "SIGKILL of a local-store writer mid-write", "count": kills,
-                                         "sessions": 1, "sessions_lost": 0, "committed_turns_lost": 0,
-                                         "temp_files_left": len(leftovers)})
+    reliability_report["faults"].append(
+        {
+            "fault": "SIGKILL of a local-store writer mid-write",
+            "count": kills,
+            "sessions": 1,
+            "sessions_lost": 0,
+            "committed_turns_lost": 0,
+            "temp_files_left": len(leftovers),
+        }
+    )

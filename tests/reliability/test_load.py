@@ -47,8 +47,9 @@ def test_concurrent_sessions_on_a_small_pool(tmp_path, reliability_report):
     # a session's full history is about 40 tokens of template + ~20 per turn: the pool holds ~3 of them
     per_session_pages = ((40 + TURNS * (20 + MAX_TOKENS)) // PAGE_SIZE + 1) * pages_per_block
     num_pages = 3 * per_session_pages
-    engine = LLMEngine(EngineConfig(num_pages=num_pages, page_size=PAGE_SIZE, prefill_chunk_size=128,
-                                    max_model_len=512, device="cpu"))
+    engine = LLMEngine(
+        EngineConfig(num_pages=num_pages, page_size=PAGE_SIZE, prefill_chunk_size=128, max_model_len=512, device="cpu")
+    )
     store = DirectoryStore(tmp_path / "sessions")
     options = ServerOptions(port=0, snapshot_kv=False, limits=Limits(default_max_tokens=MAX_TOKENS))
     server = ServerThread(engine, options, store)
@@ -60,8 +61,14 @@ def test_concurrent_sessions_on_a_small_pool(tmp_path, reliability_report):
     def session(i: int) -> list[pb.TurnCompletion]:
         out = []
         for t, text in enumerate(conversation(i)):
-            req = pb.TurnRequest(session_id=f"load-{i}", request_id=f"r{t}", expected_turn_index=t, max_tokens=MAX_TOKENS,
-                                 ignore_eos=True, messages=[pb.Message(role="user", content=text)])
+            req = pb.TurnRequest(
+                session_id=f"load-{i}",
+                request_id=f"r{t}",
+                expected_turn_index=t,
+                max_tokens=MAX_TOKENS,
+                ignore_eos=True,
+                messages=[pb.Message(role="user", content=text)],
+            )
             try:
                 out.append(list(stub.Turn(req, timeout=900))[-1].completion)
             except grpc.RpcError as e:
@@ -100,12 +107,23 @@ def test_concurrent_sessions_on_a_small_pool(tmp_path, reliability_report):
         pages_free_after = engine.stats()["pages_free"]
         assert engine.stats()["sessions"] == 0
         reliability_report["load"] = {
-            "sessions": SESSIONS, "turns_per_session": TURNS, "max_tokens": MAX_TOKENS, "full_size": FULL,
-            "pool_pages": num_pages, "page_size": PAGE_SIZE, "pages_per_full_session": per_session_pages,
-            "turns_completed": sum(len(r) for r in results), "errors": len(errors), "sessions_lost": lost,
-            "wall_s": round(wall, 2), "preemptions": stats["preemptions"], "demotions": stats["demotions"],
-            "turn_tiers_after_first": tiers, "variants_with_identical_replies": f"{agree}/{len(by_variant)}",
-            "pages_free_after_end": pages_free_after, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+            "sessions": SESSIONS,
+            "turns_per_session": TURNS,
+            "max_tokens": MAX_TOKENS,
+            "full_size": FULL,
+            "pool_pages": num_pages,
+            "page_size": PAGE_SIZE,
+            "pages_per_full_session": per_session_pages,
+            "turns_completed": sum(len(r) for r in results),
+            "errors": len(errors),
+            "sessions_lost": lost,
+            "wall_s": round(wall, 2),
+            "preemptions": stats["preemptions"],
+            "demotions": stats["demotions"],
+            "turn_tiers_after_first": tiers,
+            "variants_with_identical_replies": f"{agree}/{len(by_variant)}",
+            "pages_free_after_end": pages_free_after,
+            "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         }
     finally:
         channel.close()

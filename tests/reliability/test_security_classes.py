@@ -44,8 +44,15 @@ def redis_proc(tmp_path_factory):
 
 
 def _record(key: str, generation: int) -> StoredSession:
-    rec = {"session_id": key, "generation": generation, "turn_index": generation, "tokens": b"\x01\x00\x00\x00",
-           "digest": "d", "fingerprint": "m|x", "method": {"method": "dense"}}
+    rec = {
+        "session_id": key,
+        "generation": generation,
+        "turn_index": generation,
+        "tokens": b"\x01\x00\x00\x00",
+        "digest": "d",
+        "fingerprint": "m|x",
+        "method": {"method": "dense"},
+    }
     return StoredSession(record=rec, app={"requests": [[f"r{generation}", b"done"]]})
 
 
@@ -66,9 +73,16 @@ def test_sync_durability_loses_no_acknowledged_turn_to_sigkill(redis_proc, relia
                 assert info.turn_index == t + 1
     finally:
         proc.stop()
-    reliability_report["faults"].append({"fault": "SIGKILL sidecar at 0 ms after each completion (--durability sync)",
-                                         "count": kills, "sessions": len(sessions), "sessions_lost": 0,
-                                         "committed_turns_lost": 0, "acknowledged_turns_lost": 0})
+    reliability_report["faults"].append(
+        {
+            "fault": "SIGKILL sidecar at 0 ms after each completion (--durability sync)",
+            "count": kills,
+            "sessions": len(sessions),
+            "sessions_lost": 0,
+            "committed_turns_lost": 0,
+            "acknowledged_turns_lost": 0,
+        }
+    )
 
 
 def test_fuzzed_ids_stay_inside_the_directory_store(tmp_path_factory, reliability_report):
@@ -77,16 +91,37 @@ def test_fuzzed_ids_stay_inside_the_directory_store(tmp_path_factory, reliabilit
     (base / "sibling" / "victim").write_bytes(b"keep")
     store = DirectoryStore(base / "store", chunk_bytes=64)
     inputs = {"n": 0}
-    ids = st.one_of(st.sampled_from(["..", ".", "../..", "../sibling", "../sibling/victim", "/", "a/../../b",
-                                     "%2e%2e", "\x00", "..\\..", ".lock", "meta"]), st.text(max_size=200))
+    ids = st.one_of(
+        st.sampled_from(
+            [
+                "..",
+                ".",
+                "../..",
+                "../sibling",
+                "../sibling/victim",
+                "/",
+                "a/../../b",
+                "%2e%2e",
+                "\x00",
+                "..\\..",
+                ".lock",
+                "meta",
+            ]
+        ),
+        st.text(max_size=200),
+    )
 
     def outside() -> set[str]:
         return {str(p.relative_to(base)) for p in base.rglob("*") if not str(p.relative_to(base)).startswith("store")}
 
     before = outside()
 
-    @settings(max_examples=int(os.environ.get("CHAINKV_FUZZ_EXAMPLES", "0")) or 400, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow])
+    @settings(
+        max_examples=int(os.environ.get("CHAINKV_FUZZ_EXAMPLES", "0")) or 400,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
     @given(tenant=ids, sid=ids)
     def check(tenant, sid):
         key = f"{tenant}/{sid}"
@@ -99,15 +134,17 @@ def test_fuzzed_ids_stay_inside_the_directory_store(tmp_path_factory, reliabilit
 
     check()
     assert (base / "sibling" / "victim").read_bytes() == b"keep"
-    reliability_report["fuzz"]["directory_store_ids"] = {"inputs": inputs["n"], "crashes": 0,
-                                                         "files_outside_root": 0}
+    reliability_report["fuzz"]["directory_store_ids"] = {"inputs": inputs["n"], "crashes": 0, "files_outside_root": 0}
 
 
 @pytest.mark.parametrize("kind", ["directory", "redis"])
 def test_every_rolled_back_signed_record_is_refused(kind, tmp_path, redis_proc, reliability_report):
     keys = SnapshotKeys([b"r" * 32])
-    store = (DirectoryStore(Path(tmp_path) / "s", hmac_keys=keys) if kind == "directory"
-             else RedisStore(redis_proc.url, prefix=f"rb{os.getpid()}", hmac_keys=keys))
+    store = (
+        DirectoryStore(Path(tmp_path) / "s", hmac_keys=keys)
+        if kind == "directory"
+        else RedisStore(redis_proc.url, prefix=f"rb{os.getpid()}", hmac_keys=keys)
+    )
     key, n, refused = "alpha/rb", 12, 0
     metas = {}
     for g in range(1, n + 1):
@@ -124,8 +161,14 @@ def test_every_rolled_back_signed_record_is_refused(kind, tmp_path, redis_proc, 
         with pytest.raises(SnapshotRolledBack):
             store.load(key)
         refused += 1
-    reliability_report["tampering"].append({"attack": f"validly signed older record put back ({kind} store)",
-                                            "attempts": n - 1, "refused": refused, "served": n - 1 - refused})
+    reliability_report["tampering"].append(
+        {
+            "attack": f"validly signed older record put back ({kind} store)",
+            "attempts": n - 1,
+            "refused": refused,
+            "served": n - 1 - refused,
+        }
+    )
 
 
 def test_fuzzed_sampling_fields_never_stop_the_replica(smol_engine, reliability_report):
@@ -142,17 +185,30 @@ def test_fuzzed_sampling_fields_never_stop_the_replica(smol_engine, reliability_
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     stub = sidecar_pb2_grpc.SidecarStub(channel)
     codes: dict[str, int] = {}
-    floats = st.one_of(st.floats(0, 2), st.floats(allow_nan=True, allow_infinity=True),
-                       st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e-40, 5e-324, 1e-300, 1e300, -1.0,
-                                        0.0, 1e-5, 0.7, 2.0, 100.0]))
+    floats = st.one_of(
+        st.floats(0, 2),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.sampled_from(
+            [float("nan"), float("inf"), -float("inf"), 1e-40, 5e-324, 1e-300, 1e300, -1.0, 0.0, 1e-5, 0.7, 2.0, 100.0]
+        ),
+    )
     n = {"i": 0}
 
-    @settings(max_examples=int(os.environ.get("CHAINKV_FUZZ_EXAMPLES", "0")) or 40, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow])
-    @given(temperature=floats, top_p=st.one_of(st.floats(0.05, 1), floats),
-           top_k=st.one_of(st.integers(0, 100), st.integers(-2**31, 2**31 - 1)),
-           seed=st.one_of(st.none(), st.integers(-2**63, 2**63 - 1)),
-           stop=st.one_of(st.lists(st.text(min_size=1, max_size=8), max_size=2), st.lists(st.text(max_size=300), max_size=20)))
+    @settings(
+        max_examples=int(os.environ.get("CHAINKV_FUZZ_EXAMPLES", "0")) or 40,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    @given(
+        temperature=floats,
+        top_p=st.one_of(st.floats(0.05, 1), floats),
+        top_k=st.one_of(st.integers(0, 100), st.integers(-(2**31), 2**31 - 1)),
+        seed=st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
+        stop=st.one_of(
+            st.lists(st.text(min_size=1, max_size=8), max_size=2), st.lists(st.text(max_size=300), max_size=20)
+        ),
+    )
     def check(temperature, top_p, top_k, seed, stop):
         n["i"] += 1
         kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, max_tokens=2)
