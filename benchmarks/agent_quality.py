@@ -356,7 +356,8 @@ def main(argv: list[str] | None = None) -> dict:
                 kv = None
                 if cfg.mode == "chain":
                     scores, footprint = run_chain(engine, enc, spec_of)
-                    kv = sum(f["kv_tokens"] / (LH * f["history_tokens"]) for f in footprint) / len(footprint)
+                    # KV kept against what dense holds: every history token fed through the model
+                    kv = sum(f["kv_tokens"] / (LH * f["cached_tokens"]) for f in footprint) / len(footprint)
                 else:
                     scores = run_once(engine, enc, histories, starts, spec_of)  # every family asks after turn 1
                 t = tally(scores)

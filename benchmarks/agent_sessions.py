@@ -136,6 +136,7 @@ def run_chain(
             {
                 "kv_tokens": info["kv_tokens"],
                 "history_tokens": info["num_tokens"],
+                "cached_tokens": info["cached_tokens"],
                 "pruned_tokens": info["pruned_tokens"],
             }
         )

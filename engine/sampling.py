@@ -144,6 +144,7 @@ def sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None
         sorted_p, order = probs.sort(descending=True)
         # drop a token when the tokens before it already reach top_p
         drop = (sorted_p.cumsum(-1) - sorted_p) >= p.top_p
+        drop[..., 0] = False  # the top token always stays (a top_p below float32's range compares as 0)
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     if gen is not None and gen.device != probs.device:

@@ -369,6 +369,7 @@ class ChainCache:
             "turn_index": chain.turn_index,
             "generation": chain.generation,
             "num_tokens": len(chain.history),
+            "cached_tokens": chain.seq.num_cached,  # history tokens fed through the model (the last reply token is not yet)
             "digest": chain.digest,
             "method": chain.spec.method,
             "spec": {**spec_record(chain.spec), "method_args": dict(chain.spec.method_args)},
