@@ -155,10 +155,15 @@ class ScoredEviction(SparseMethod, ABC):
             due = group.any_rank(due)
         if not due:
             return None
+        return self.keep_by_rule(layer, chunk)
+
+    def keep_by_rule(self, layer: int, chunk: PrefillChunk):
+        """The rule applied to one layer of a prompt's last chunk: score, a protected prefix ranked
+        last, the budget's best kept (the rule's per-token state follows)."""
         keep = self.select(
-            layer, rank_protected_last(rule.score(layer, chunk), chunk.protected), chunk.lengths, chunk.num_tokens
+            layer, rank_protected_last(self.rule.score(layer, chunk), chunk.protected), chunk.lengths, chunk.num_tokens
         )
-        rule.on_kept(layer, chunk.seq_id, keep)
+        self.rule.on_kept(layer, chunk.seq_id, keep)
         return keep
 
     # --- per-sequence state: the rule's (a wrapper's scorer keeps it) ----------------------------

@@ -141,10 +141,7 @@ class SnapKV(ScoredEviction):
             return None
         rec = self._deferred.get(chunk.seq_id)
         if (chunk.seq_id, layer) in self._tail or (rec is not None and rec.length != T):
-            scores = rank_protected_last(self.score(layer, chunk), chunk.protected)  # the window spans chunks
-            keep = self.select(layer, scores, lengths, chunk.num_tokens)
-            self.on_kept(layer, chunk.seq_id, keep)
-            return keep
+            return self.keep_by_rule(layer, chunk)  # the window spans chunks: this layer on its own
         if rec is None:
             rec = self._deferred[chunk.seq_id] = _Deferred(
                 chunk.num_tokens, T, chunk.probs.shape[1], chunk.protected, {}
