@@ -14,7 +14,7 @@ adds transport, not KV decisions. Configurations, side by side on the same sampl
                           (``prune_lag=1``, ``prune_policy=drop``)
   CONFIG+keep             the same, keeping ``prune_keep_ratio`` (0.25) of that tool output, the
                           tokens recent queries attended most (``prune_policy=keep_ratio``)
-  METHOD@F/once           kvpress-style: the transcript before each question compressed once, at its
+  METHOD@F/once           (--once-methods) kvpress-style: the transcript before each question compressed once, at its
                           end, then the question; against METHOD@F it shows what compressing at every
                           turn costs
 
@@ -90,7 +90,7 @@ def budget_label(b) -> str:
     return f"{b:g}" if isinstance(b, float) else f"{b}tok"
 
 
-def build_configs(methods: list[str], budgets: list, prunes: list[str], once_method: str | None) -> list[Config]:
+def build_configs(methods: list[str], budgets: list, prunes: list[str], once_methods: list[str]) -> list[Config]:
     out = [Config("reprefill", "reprefill")]
     for p in prunes:
         out.append(Config("dense" + ("" if p == "none" else f"+{p}"), "chain", prune=p))
@@ -98,8 +98,8 @@ def build_configs(methods: list[str], budgets: list, prunes: list[str], once_met
         for b in budgets:
             for p in prunes:
                 out.append(Config(f"{m}@{budget_label(b)}" + ("" if p == "none" else f"+{p}"), "chain", m, b, p))
-    if once_method:
-        out += [Config(f"{once_method}@{budget_label(b)}/once", "once", once_method, b) for b in budgets]
+    for m in once_methods:
+        out += [Config(f"{m}@{budget_label(b)}/once", "once", m, b) for b in budgets]
     return out
 
 
@@ -141,6 +141,12 @@ def agreement(ref: list[list[dict]], other: list[list[dict]]) -> float:
     return sum(a == b for a, b in pairs) / max(1, len(pairs))
 
 
+def held_budget(s: dict, tolerance: float = 0.1) -> bool:
+    """Whether a chain configuration's final KV stayed within its budget (a fraction of the context)."""
+    b = s["budget"]
+    return not isinstance(b, float) or (s["kv_fraction"] is not None and s["kv_fraction"] <= b + tolerance)
+
+
 def summarize(rows: list[dict], configs: list[Config], budgets: list) -> tuple[list[dict], dict]:
     """Per configuration: accuracy per family (over its kept sizes), the mean over families, by
     distance over all families; and the recommended method per budget."""
@@ -170,10 +176,20 @@ def summarize(rows: list[dict], configs: list[Config], budgets: list) -> tuple[l
         summary.append(s)
     recommended = {}
     for b in budgets:
-        cands = [s for s in summary if s["budget"] == b and s["mode"] == "chain"]
+        # only configurations that held their budget (rkv compresses only every 128 decode steps:
+        # on short replies its chain keeps everything, which is no answer for a budget)
+        cands = [s for s in summary if s["budget"] == b and s["mode"] == "chain" and held_budget(s)]
         if cands:
             best = max(cands, key=lambda s: (round(s["mean"], 6), -(s["kv_fraction"] or 1.0)))
             recommended[budget_label(b)] = {"config": best["config"], "mean": best["mean"]}
+            for fam in FAMILIES:  # and the best per family
+                have = [s for s in cands if fam in s]
+                if have:
+                    top = max(have, key=lambda s: (round(s[fam], 6), -(s["kv_fraction"] or 1.0)))
+                    recommended[budget_label(b)].setdefault("by_family", {})[fam] = {
+                        "config": top["config"],
+                        "accuracy": top[fam],
+                    }
     return summary, recommended
 
 
@@ -185,7 +201,8 @@ def merge(paths: list[str], out: Path) -> dict:
     for other in parts[1:]:
         if (other["size"], other["samples"], other["seed"]) != (d["size"], d["samples"], d["seed"]):
             raise SystemExit("--merge: the files are runs of different samples")
-        d["rows"] += [r for r in other["rows"] if r["config"] != "reprefill"]
+        have = {r["config"] for r in d["rows"]}  # a configuration run in several parts counts once
+        d["rows"] += [r for r in other["rows"] if r["config"] not in have]
         d["elapsed_s"] = d.get("elapsed_s", 0) + other.get("elapsed_s", 0)
     names = list(dict.fromkeys(r["config"] for r in d["rows"]))
     cfgs = [_config_of(n) for n in names]
@@ -217,7 +234,12 @@ def main(argv: list[str] | None = None) -> dict:
         "--budgets", default="0.5,0.25", help="fractions of the final context (0.5) or tokens per head (16)"
     )
     ap.add_argument("--prunes", default="none,lag1,keep", help="pruning variants: none, lag1 (drop), keep (keep_ratio)")
-    ap.add_argument("--once-method", default="snapkv", help="the method also run compressing once ('' for none)")
+    ap.add_argument(
+        "--once-methods",
+        "--once-method",
+        default="snapkv",
+        help="methods also run compressing once, comma-separated ('' for none; 'all': every --methods)",
+    )
     ap.add_argument(
         "--calibrate", type=float, default=0.8, help="keep sizes where dense re-prefill scores at least this"
     )
@@ -252,7 +274,8 @@ def main(argv: list[str] | None = None) -> dict:
     prunes = [p.strip() for p in args.prunes.split(",") if p.strip()]
     if not prunes or not set(prunes) <= set(PRUNE):
         raise SystemExit(f"--prunes takes none, lag1 and/or keep, not {args.prunes!r}")
-    configs = build_configs(methods, budgets, prunes, (args.once_method or None) if "none" in prunes else None)
+    once = methods if args.once_methods == "all" else [m.strip() for m in args.once_methods.split(",") if m.strip()]
+    configs = build_configs(methods, budgets, prunes, once if "none" in prunes else [])
     if args.merge:
         return merge(args.merge, Path(args.out))
 

@@ -58,9 +58,12 @@ def section(d: dict, stem: str) -> str:
     parts.append(table(rows, cols))
     if d.get("recommended"):
         parts.append(
-            "Recommended default per budget (best mean accuracy on the chain; ties to the smaller KV): "
+            "Recommended default per budget (best mean accuracy on the chain among the configurations "
+            "that held their budget; ties to the smaller KV), and the best per family: "
             + "; ".join(
-                f"{_budget(float(b) if '.' in b else b)}: `{r['config']}` ({_pct(r['mean'])})"
+                f"{_budget(float(b) if '.' in b else b)}: `{r['config']}` ({_pct(r['mean'])}"
+                + "".join(f", {fam} `{x['config']}` {_pct(x['accuracy'])}" for fam, x in r.get("by_family", {}).items())
+                + ")"
                 for b, r in d["recommended"].items()
             )
             + "."

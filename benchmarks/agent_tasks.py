@@ -226,15 +226,18 @@ SIZES = {
     # the test suite's: one size per family, the one SmolLM2 answers best (tests/test_agent_quality.py)
     "test": {"needle": [Size(2, 4)], "state": [Size(3, 3, lag=1)], "shared": [Size(3, 6)]},
     "tiny": {"needle": [Size(2, 4), Size(4, 4)], "state": [Size(3, 3, lag=1)], "shared": [Size(3, 6)]},
+    # SmolLM2-135M (Q4_1) retrieves reliably only within ~200-300 tokens: dense re-prefill, 16 samples,
+    # needle N2-r4 67-75%, N3-r2 69%, N4-r2 50%, N6-r2 31%, N2-r16 17%; state 13-38% at every size
+    # tried (it answers the key's first value, not its latest); shared N4-r6 90%, N5-r8 97%.
     "cpu": {
-        "needle": [Size(2, 16), Size(4, 16), Size(8, 16)],
-        "state": [Size(4, 8, lag=0), Size(4, 8, lag=2)],
-        "shared": [Size(5, 32)],
+        "needle": [Size(2, 4), Size(3, 2), Size(4, 2)],
+        "state": [Size(3, 2, lag=1), Size(4, 2, lag=0)],
+        "shared": [Size(4, 6), Size(5, 8)],
     },
     "full": {
-        "needle": [Size(2, 32), Size(4, 32), Size(8, 32), Size(8, 64)],
-        "state": [Size(4, 16, lag=0), Size(6, 16, lag=2), Size(8, 16, lag=4)],
-        "shared": [Size(5, 64), Size(9, 128)],
+        "needle": [Size(2, 4), Size(3, 2), Size(4, 2), Size(6, 2)],
+        "state": [Size(3, 2, lag=1), Size(4, 2, lag=0), Size(4, 2, lag=2)],
+        "shared": [Size(4, 6), Size(5, 8), Size(7, 12), Size(9, 16)],
     },
 }
 
