@@ -87,6 +87,29 @@ def _second_turn(llm: BaseChatModel, stream: bool, **kw: Any) -> AIMessage:
     return _reply(llm, [*first, reply, HumanMessage("Name another one.")], stream, **kw)
 
 
+class _Features:
+    """What both routes support, declared rather than inferred: tools (with ``tool_choice``), structured
+    output (forced call, ``json_schema``, ``json_mode``: grammar-constrained decoding), usage with the
+    reused context as ``cache_read``; text only (no image, audio, video or PDF parts), and the one model
+    the sidecar serves (no per-call ``model`` override)."""
+
+    has_tool_calling = True
+    has_tool_choice = True
+    has_structured_output = True
+    supports_json_mode = True
+    returns_usage_metadata = True
+    supports_image_inputs = False
+    supports_image_urls = False
+    supports_pdf_inputs = False
+    supports_audio_inputs = False
+    supports_video_inputs = False
+    supports_image_tool_message = False
+    supports_pdf_tool_message = False
+    supports_anthropic_inputs = False
+    supports_model_override = False
+    supported_usage_metadata_details = {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+
 class _SmolLM2Limits:
     """The standard tests that fail on SmolLM2-135M's replies (module docstring), as expected failures."""
 
@@ -119,7 +142,7 @@ class _SmolLM2Limits:
 
 
 # --- ChatChainKV (gRPC) -------------------------------------------------------------------------------
-class TestChatChainKVUnit(ChatModelUnitTests):
+class TestChatChainKVUnit(_Features, ChatModelUnitTests):
     @property
     def chat_model_class(self) -> type[BaseChatModel]:
         return ChatChainKV
@@ -128,14 +151,10 @@ class TestChatChainKVUnit(ChatModelUnitTests):
     def chat_model_params(self) -> dict[str, Any]:
         return {"target": "127.0.0.1:1"}
 
-    @property
-    def supports_json_mode(self) -> bool:
-        return True
-
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("live")
-class TestChatChainKVIntegration(_SmolLM2Limits, ChatModelIntegrationTests):
+class TestChatChainKVIntegration(_Features, _SmolLM2Limits, ChatModelIntegrationTests):
     @property
     def chat_model_class(self) -> type[BaseChatModel]:
         return ChatChainKV
@@ -144,14 +163,6 @@ class TestChatChainKVIntegration(_SmolLM2Limits, ChatModelIntegrationTests):
     def chat_model_params(self) -> dict[str, Any]:
         return {"target": _Live.grpc, "max_tokens": MAX_TOKENS}
 
-    @property
-    def supports_json_mode(self) -> bool:
-        return True
-
-    @property
-    def supported_usage_metadata_details(self) -> dict:
-        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
-
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
         llm = ChatChainKV(**self.chat_model_params)
         thread = f"std-cache-{'stream' if stream else 'invoke'}"
@@ -159,7 +170,7 @@ class TestChatChainKVIntegration(_SmolLM2Limits, ChatModelIntegrationTests):
 
 
 # --- ChatOpenAI against the HTTP front ----------------------------------------------------------------
-class TestChatOpenAIFrontUnit(ChatModelUnitTests):
+class TestChatOpenAIFrontUnit(_Features, ChatModelUnitTests):
     @property
     def chat_model_class(self) -> type[BaseChatModel]:
         return ChatOpenAI
@@ -173,14 +184,10 @@ class TestChatOpenAIFrontUnit(ChatModelUnitTests):
         env = {"OPENAI_API_KEY": "none", "OPENAI_API_BASE": "http://127.0.0.1:1/v1"}
         return env, {"model": "smollm2"}, {"openai_api_key": "none", "openai_api_base": "http://127.0.0.1:1/v1"}
 
-    @property
-    def supports_json_mode(self) -> bool:
-        return True
-
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("live")
-class TestChatOpenAIFrontIntegration(_SmolLM2Limits, ChatModelIntegrationTests):
+class TestChatOpenAIFrontIntegration(_Features, _SmolLM2Limits, ChatModelIntegrationTests):
     @property
     def chat_model_class(self) -> type[BaseChatModel]:
         return ChatOpenAI
@@ -194,14 +201,6 @@ class TestChatOpenAIFrontIntegration(_SmolLM2Limits, ChatModelIntegrationTests):
             "max_tokens": MAX_TOKENS,
             "stream_usage": True,  # stream_options.include_usage (on by default only for api.openai.com)
         }
-
-    @property
-    def supports_json_mode(self) -> bool:
-        return True
-
-    @property
-    def supported_usage_metadata_details(self) -> dict:
-        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
         # a stateless request whose messages extend an earlier conversation continues its session
