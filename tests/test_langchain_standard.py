@@ -84,7 +84,9 @@ def _second_turn(llm: BaseChatModel, stream: bool, **kw: Any) -> AIMessage:
     """A conversation's second turn: its first turn's KV is reused (``cache_read``)."""
     first = [HumanMessage("Name a color.")]
     reply = llm.invoke(first, **kw)
-    return _reply(llm, [*first, reply, HumanMessage("Name another one.")], stream, **kw)
+    second = _reply(llm, [*first, reply, HumanMessage("Name another one.")], stream, **kw)
+    assert second.usage_metadata["input_token_details"]["cache_read"] > 0  # beyond the standard test's isinstance
+    return second
 
 
 class _Features:
