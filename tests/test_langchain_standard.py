@@ -11,8 +11,10 @@ the route, and would pass on a model that does these things):
 - ``test_agent_loop``: the model must decide by itself to call the tool (no ``tool_choice``); it does not.
 - the structured-output tests (``test_structured_output*``): the reply is decoded under the Joke schema
   (a forced tool call, or ``json_schema``), so it parses whenever it ends; but the model, greedy, never
-  closes the joke's ``setup`` string (it repeats itself, "The cat was a cat, and the cat was a cat, ..."
-  still at 200 tokens), so the reply is cut short at ``max_tokens`` and there is nothing to parse.
+  closes the joke's ``setup`` string (forced call: "The cat was a cat, and the cat was a cat, ..." still
+  at 200 tokens; ``json_schema``, where nothing in the prompt asks for JSON and the grammar leads it to
+  spell the key ``s``, ``et``, ``u``, ``p``: "Situ pakai, sampu, sampu, ..."), so the reply is cut short
+  at ``max_tokens`` and there is nothing to parse.
 - ``test_json_mode``: ``json_mode`` is any JSON object (OpenAI's meaning), not the schema's keys; the
   model writes ``{"setup": ...}`` and leaves out the ``punchline`` the prompt asks for.
 """
