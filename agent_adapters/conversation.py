@@ -42,10 +42,11 @@ class Conversations:
     @classmethod
     def from_settings(cls, settings) -> "Conversations":
         """From an adapter's connection fields (``target``, ``token``, ``tls_ca``, ``timeout_s``,
-        ``max_retries``: the same names in every adapter)."""
+        ``max_retries``: the same names in every adapter; ``token`` a string or a pydantic SecretStr)."""
+        token = settings.token
         return cls(
             settings.target,
-            token=settings.token,
+            token=token.get_secret_value() if hasattr(token, "get_secret_value") else token,
             tls_ca=settings.tls_ca,
             timeout_s=settings.timeout_s,
             retry=RetryPolicy(max_attempts=settings.max_retries + 1),

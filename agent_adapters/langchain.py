@@ -47,7 +47,7 @@ from langchain_core.runnables.config import ensure_config
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 
 from agent_adapters.conversation import Conversations
 from agent_adapters.messages import ChatMessage, TextDelta, ToolCall, ToolSpec, TurnResult, as_tool
@@ -123,8 +123,9 @@ class ChatChainKV(BaseChatModel):
     """The sidecar's address."""
     session_id: str | None = None
     """A fixed conversation key; unset: taken per call (see the module docstring)."""
-    token: str | None = None
-    """Bearer token, when the sidecar has auth on."""
+    token: SecretStr | None = Field(default=None, alias="api_key")
+    """Bearer token, when the sidecar has auth on (also ``api_key=``, LangChain's name, at construction);
+    a SecretStr, so it stays out of the model's repr."""
     tls_ca: str | None = None
     timeout_s: float | None = Field(default=300.0, alias="timeout")
     """Deadline of one call in seconds, retries included (also ``timeout=``, LangChain's name, at

@@ -159,3 +159,13 @@ def test_a_busy_session_is_retried_for_every_call_until_the_deadline():
     a.next()
     with pytest.raises(ChainKVError):
         a.backoff_after(_Busy())
+
+
+def test_chatchainkv_takes_its_bearer_token_as_api_key_too_and_keeps_it_out_of_its_repr():
+    pytest.importorskip("langchain_core")
+    from agent_adapters.langchain import ChatChainKV
+
+    for llm in (ChatChainKV(api_key="s3cret"), ChatChainKV(token="s3cret")):
+        assert llm.conversations.token == "s3cret"  # what the client sends as the bearer token
+        assert "s3cret" not in repr(llm)
+    assert ChatChainKV().conversations.token is None
