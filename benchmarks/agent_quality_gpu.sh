@@ -5,6 +5,9 @@
 #            (gpu_smollm2.sh's header has the commands)
 #   call 1:  run(command="mkdir -p .device_out && cp .gl/a/part_aa .device_out/", carry=[".gl/a"])
 #   call 2+: run(command="PRUNES=none bash benchmarks/agent_quality_gpu.sh $OUT", carry=[".gl/b", ".whl"])
+#            (the committed run: ARGS="--samples 64 --calibrate 0.6 --methods ..." over three calls, each
+#            configuration takes 20-250 s there: the steps are host-bound, and h2o/tova read probabilities
+#            at every decode step)
 #            then PRUNES=lag1 and PRUNES=keep (one call each: a call runs at most 10 minutes), and
 #            here: python benchmarks/agent_quality.py --merge none.json lag1.json keep.json \
 #                      --out benchmarks/results/agent_quality_gpu.json && python benchmarks/report.py
