@@ -81,6 +81,8 @@ class ChatCompletions:
     def __init__(self, backend: SessionBackend, index: TranscriptIndex | None = None):
         self.backend = backend
         self.index = index or TranscriptIndex()
+        self.stored = backend.stored_transcripts(FRONT_KEY)
+        """The same index in the store, shared by the replicas on it (None: no store)."""
 
     async def create(self, body: dict, authorization: str | None, session_header: str | None):
         """The completion (a dict), or an async iterator of SSE lines when ``stream``."""
@@ -147,17 +149,39 @@ class ChatCompletions:
             if s is not None:
                 await b.end(key)  # the client changed the history: begin the session again
             return _Plan(sid, key, 0, None, explicit=True)
-        for k in range(len(messages) - 1, 0, -1):
-            if messages[k - 1].role != "assistant":
-                continue
+        # a transcript ends after a reply: the candidates, longest first
+        candidates = [k for k in range(len(messages) - 1, 0, -1) if messages[k - 1].role == "assistant"]
+        here = None
+        for k in candidates:  # this replica's index
             key = self.index.get(digests[k])
             if key is None:
                 continue
             s = b.local(key)
             if s is not None and s.in_engine and not s.busy and s.front.get(FRONT_KEY) == digests[k].hex():
-                return _Plan(key.rsplit("/", 1)[-1], key, k, s.turn_index, explicit=False)
+                here = _Plan(key.rsplit("/", 1)[-1], key, k, s.turn_index, explicit=False)
+                break
+        longer = [k for k in candidates if here is None or k > here.start]
+        if longer and self.stored is not None:  # the store's, for a longer prefix (another replica's turns)
+            plan = await self._stored_plan(tenant, [(k, digests[k]) for k in longer], digests, messages)
+            if plan is not None:
+                return plan
+        if here is not None:
+            return here
         sid = "chat-" + uuid.uuid4().hex
         return _Plan(sid, b.key(tenant, sid), 0, None, explicit=False)
+
+    async def _stored_plan(self, tenant: str, candidates: list[tuple[int, bytes]], digests, messages) -> "_Plan | None":
+        """The session the store's index names for the longest of ``candidates`` (k, digest), loaded
+        from its snapshot (as a named session is on a miss); None when there is none."""
+        found = await self.backend.find_transcript(self.stored, tenant, [d for _, d in candidates])
+        if found is None:
+            return None
+        k = candidates[found.position][0]
+        s = await self.backend.find_newer(found.key, found.turn_index)
+        if s is None or s.busy or _continues(s, digests, messages) != k:
+            return None
+        self.index.put(found.key, digests[k])
+        return _Plan(found.key.rsplit("/", 1)[-1], found.key, k, s.turn_index, explicit=False)
 
 
 def _continues(s, digests: list[bytes], messages: list) -> int | None:
