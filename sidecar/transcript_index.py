@@ -229,9 +229,8 @@ class _DirectoryEntries(_Entries):
         except OSError:
             return 0
         for p in entries:
-            if _ENTRY_RE.fullmatch(p.name) and not p.is_symlink() and p.is_file():
-                if p.exists() and self._read(p, None) is None and not p.exists():
-                    n += 1
+            if _ENTRY_RE.fullmatch(p.name) and not p.is_symlink() and p.is_file() and self._read(p, None) is None:
+                n += not p.exists()  # ``_read`` deleted it: expired (an unreadable entry is left alone)
         return n
 
 
