@@ -71,11 +71,14 @@ def entry_name(tenant: str, digest: bytes) -> str:
 
 
 class StoredTranscripts:
-    """The index over one store; ``front_key``: the front metadata field holding a session's digest (hex)."""
+    """The index over one store. ``front_key``: the front metadata field holding a session's digest
+    (hex); ``turn_key``: the one holding the turn index it was recorded at (when present, a digest
+    recorded at another turn than the session's is not its transcript)."""
 
-    def __init__(self, store: SessionStore, front_key: str):
+    def __init__(self, store: SessionStore, front_key: str, turn_key: str | None = None):
         self.store = store
         self.front_key = front_key
+        self.turn_key = turn_key
         if isinstance(store, RedisStore):
             self.entries: _Entries = _RedisEntries(store)
         elif isinstance(store, DirectoryStore):
@@ -85,9 +88,8 @@ class StoredTranscripts:
 
     def put_committed(self, key: str, stored: StoredSession) -> None:
         """After ``stored`` was committed for ``key``: index it by its transcript digest, if it has one."""
-        front = stored.app.get("front") or {}
-        digest_hex = front.get(self.front_key) if isinstance(front, dict) else None
-        if not isinstance(digest_hex, str):
+        digest_hex = self.digest_of(stored)
+        if digest_hex is None:
             return
         try:
             digest = bytes.fromhex(digest_hex)
@@ -119,11 +121,20 @@ class StoredTranscripts:
             except StoreError as e:  # a rolled-back or refused session: not a match, but not stale either
                 log.info("transcript index: session %s is unusable (%s)", key, e)
                 continue
-            front = (stored.app.get("front") or {}) if stored is not None else {}
-            if isinstance(front, dict) and front.get(self.front_key) == digest.hex():
+            if stored is not None and self.digest_of(stored) == digest.hex():
                 return Found(position, key, stored)
             self.entries.remove_if(tenant, digest, key)  # gone, expired, or moved on
         return None
+
+    def digest_of(self, stored: StoredSession) -> str | None:
+        """The stored session's transcript digest (hex), or None (none, or recorded at another turn)."""
+        front = stored.app.get("front")
+        if not isinstance(front, dict):
+            return None
+        if self.turn_key is not None and front.get(self.turn_key, stored.turn_index) != stored.turn_index:
+            return None
+        digest = front.get(self.front_key)
+        return digest if isinstance(digest, str) else None
 
     @staticmethod
     def _ours(tenant: str, key: str) -> bool:

@@ -153,8 +153,11 @@ def test_chat_completions_without_a_cache_key_resume_on_the_other_replica(replic
     assert _chat_keys(a)[key] == 3  # back on A: its older copy gave way to B's snapshot
 
 
-def test_chat_completions_without_a_cache_key_resume_after_a_restart(tiny_chat_dir, tmp_path):
-    """The directory store: a restarted server (a fresh engine on the same folder) finds the session."""
+@pytest.mark.parametrize("durability", ["async", "sync"])
+def test_chat_completions_without_a_cache_key_resume_after_a_restart(tiny_chat_dir, tmp_path, durability):
+    """The directory store: a restarted server (a fresh engine on the same folder) finds the session;
+    with durability sync too (the turn's snapshot is written before its reply is sent, and carries
+    the reply's transcript digest)."""
     from engine.config import EngineConfig
     from engine.llm import LLMEngine
     from sidecar.store import open_store
@@ -163,7 +166,7 @@ def test_chat_completions_without_a_cache_key_resume_after_a_restart(tiny_chat_d
         engine = LLMEngine(
             EngineConfig(model=tiny_chat_dir, num_pages=2000, prefill_chunk_size=128, max_model_len=4096)
         )
-        return Live(engine, open_store(str(tmp_path / "sessions")))
+        return Live(engine, open_store(str(tmp_path / "sessions")), durability=durability)
 
     first = server()
     try:

@@ -15,6 +15,7 @@ from sidecar.store import DirectoryStore, RedisStore, StoredSession
 from sidecar.transcript_index import FOLDER, FORMAT, MAX_VERIFY, StoredTranscripts, sweep
 
 FRONT = "chat_transcript"
+TURN = "chat_transcript_turn"
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +35,13 @@ def store(request, tmp_path, redis_proc):
     s.close()
 
 
-def _commit(store, key: str, digest: bytes | None, expected: int | None = None, turn: int = 1) -> StoredSession:
+def _commit(
+    store, key: str, digest: bytes | None, expected: int | None = None, turn: int = 1, at: int | None = None
+) -> StoredSession:
+    """Commit a session at ``turn`` whose front records ``digest`` at turn ``at`` (default: ``turn``)."""
     record = {"session_id": key.rsplit("/", 1)[-1], "turn_index": turn, "generation": turn, "tokens": b"\1\0\0\0"}
-    stored = StoredSession(record=record, app={"front": {FRONT: digest.hex()} if digest else {}})
+    front = {FRONT: digest.hex(), TURN: turn if at is None else at} if digest else {}
+    stored = StoredSession(record=record, app={"front": front})
     store.save(key, stored, expected)
     return stored
 
@@ -46,7 +51,7 @@ def _digest(i: int) -> bytes:
 
 
 def test_an_entry_is_found_for_its_tenant_only_and_longest_first(store):
-    idx = StoredTranscripts(store, FRONT)
+    idx = StoredTranscripts(store, FRONT, TURN)
     for turn, d in ((1, _digest(1)), (2, _digest(2))):
         key = f"alpha/chat-{turn}"
         idx.put_committed(key, _commit(store, key, d))
@@ -57,7 +62,7 @@ def test_an_entry_is_found_for_its_tenant_only_and_longest_first(store):
 
 
 def test_a_session_that_moved_on_or_was_deleted_is_not_matched_and_its_entry_goes(store):
-    idx = StoredTranscripts(store, FRONT)
+    idx = StoredTranscripts(store, FRONT, TURN)
     key = "alpha/chat-a"
     idx.put_committed(key, _commit(store, key, _digest(1)))
     idx.put_committed(key, _commit(store, key, _digest(2), expected=1, turn=2))
@@ -71,7 +76,7 @@ def test_a_session_that_moved_on_or_was_deleted_is_not_matched_and_its_entry_goe
 
 def test_an_entry_naming_another_tenants_session_is_refused(store):
     """A forged entry (written by someone with store access) cannot attach a request to another tenant."""
-    idx = StoredTranscripts(store, FRONT)
+    idx = StoredTranscripts(store, FRONT, TURN)
     _commit(store, "beta/chat-b", _digest(3))
     idx.entries.put("alpha", _digest(3), "beta/chat-b")
     idx.entries.put("alpha", _digest(4), "chat-no-tenant")
@@ -80,13 +85,13 @@ def test_an_entry_naming_another_tenants_session_is_refused(store):
 
 
 def test_a_session_without_a_transcript_is_not_indexed(store):
-    idx = StoredTranscripts(store, FRONT)
+    idx = StoredTranscripts(store, FRONT, TURN)
     idx.put_committed("alpha/grpc-1", _commit(store, "alpha/grpc-1", None))
     assert idx.find("alpha", [bytes(32)]) is None
 
 
 def test_lookups_check_a_bounded_number_of_entries(store):
-    idx = StoredTranscripts(store, FRONT)
+    idx = StoredTranscripts(store, FRONT, TURN)
     digests = [_digest(20 + i) for i in range(MAX_VERIFY + 2)]
     for d in digests:  # every entry names a session that does not exist
         idx.entries.put("alpha", d, "alpha/chat-gone")
@@ -97,7 +102,7 @@ def test_lookups_check_a_bounded_number_of_entries(store):
 
 def test_directory_entries_are_fixed_names_and_expired_ones_are_swept(tmp_path):
     store = DirectoryStore(tmp_path / "store", ttl_s=60)
-    idx = StoredTranscripts(store, FRONT)
+    idx = StoredTranscripts(store, FRONT, TURN)
     idx.put_committed("alpha/chat-x", _commit(store, "alpha/chat-x", _digest(5)))
     idx.entries.put("../../etc", _digest(6), "../../etc/chat-y")
     names = sorted(os.listdir(store.root / FOLDER))
@@ -115,8 +120,17 @@ def test_directory_entries_are_fixed_names_and_expired_ones_are_swept(tmp_path):
 
 def test_redis_entries_expire_with_the_store_ttl(redis_proc):
     store = RedisStore(redis_proc.url, prefix="ttl", ttl_s=120)
-    idx = StoredTranscripts(store, FRONT)
+    idx = StoredTranscripts(store, FRONT, TURN)
     idx.put_committed("alpha/chat-t", _commit(store, "alpha/chat-t", _digest(8)))
     name = idx.entries.name("alpha", _digest(8))
     assert name.startswith("ttl:tx:{") and "alpha" not in name
     assert 0 < redis_proc.client().ttl(name) <= 120
+
+
+def test_a_digest_recorded_at_another_turn_is_not_the_sessions_transcript(store):
+    """A turn that ran without recording its transcript (its digest is of an earlier turn) matches nothing."""
+    idx = StoredTranscripts(store, FRONT, TURN)
+    idx.put_committed("alpha/chat-l", _commit(store, "alpha/chat-l", _digest(11), turn=3, at=2))
+    assert idx.entries.get_many("alpha", [_digest(11)]) == [None]  # not indexed
+    idx.entries.put("alpha", _digest(11), "alpha/chat-l")
+    assert idx.find("alpha", [_digest(11)]) is None

@@ -39,11 +39,14 @@ class SessionBackend:
         return self.server.options.auth.tenant([("authorization", authorization)] if authorization else [])
 
     # --- turns --------------------------------------------------------------------------------------
-    async def turn(self, authorization: str | None, request: pb.TurnRequest) -> AsyncIterator[pb.TurnEvent]:
-        """Run one turn: its TextDelta / ToolCall events, then its TurnCompletion (errors raise)."""
+    async def turn(
+        self, authorization: str | None, request: pb.TurnRequest, on_complete=None
+    ) -> AsyncIterator[pb.TurnEvent]:
+        """Run one turn: its TextDelta / ToolCall events, then its TurnCompletion (errors raise).
+        ``on_complete(session, completion)``: called before the turn's snapshot is taken."""
         tenant = self.tenant(authorization)
         self.server.client.check_serving()
-        async for event in self.server.turns.run(tenant, request, None):
+        async for event in self.server.turns.run(tenant, request, None, on_complete):
             yield event
 
     # --- sessions -----------------------------------------------------------------------------------
@@ -98,14 +101,14 @@ class SessionBackend:
         self.server.mark_dirty(key)
 
     # --- the transcript index in the store -----------------------------------------------------------
-    def stored_transcripts(self, front_key: str) -> StoredTranscripts | None:
+    def stored_transcripts(self, front_key: str, turn_key: str) -> StoredTranscripts | None:
         """The store's transcript index (sidecar/transcript_index.py), fed by each committed snapshot;
         None without a store (or a writer)."""
         store, writer = self.server.store, getattr(self.server, "writer", None)
         if store is None or writer is None:
             return None
         try:
-            index = StoredTranscripts(store, front_key)
+            index = StoredTranscripts(store, front_key, turn_key)
         except TypeError:  # a store kind without an index: this replica's memory only
             return None
         writer.on_commit.append(index.put_committed)

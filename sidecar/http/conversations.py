@@ -27,7 +27,19 @@ from typing import Any
 
 FRONT_KEY = "chat_transcript"
 """``Session.front`` entry: the digest of the session's transcript after its last turn."""
+FRONT_TURN_KEY = "chat_transcript_turn"
+"""``Session.front`` entry: the turn index the digest was recorded at. A session whose turn index is
+another (a turn ran that did not record its transcript) matches no transcript."""
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:@+=~-]{1,128}")
+
+
+def transcript_digest(front: dict, turn_index: int) -> str | None:
+    """The session's transcript digest (hex) when it is the one of its current turn, else None."""
+    turn = front.get(FRONT_TURN_KEY)
+    if turn is not None and turn != turn_index:
+        return None
+    digest = front.get(FRONT_KEY)
+    return digest if isinstance(digest, str) else None
 
 
 def canonical(message: dict[str, Any]) -> list:
