@@ -27,6 +27,7 @@ from sidecar.options import ServerOptions
 from sidecar.service import SidecarService
 from sidecar.sessions import Session, SessionManager
 from sidecar.snapshots import SnapshotWriter
+from sidecar import transcript_index
 from sidecar.store import SessionStore, StoreUnavailable
 from sidecar.turns import TurnRunner
 from sidecar.validation import BYTES_PER_TOKEN
@@ -186,6 +187,7 @@ class SidecarServer:
                 sweep = getattr(self.store, "sweep", None)
                 if sweep is not None:
                     await asyncio.to_thread(sweep)
+                await asyncio.to_thread(transcript_index.sweep, self.store)
             except asyncio.CancelledError:
                 raise
             except Exception:

@@ -23,13 +23,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from engine.chain import SessionBusy, SessionNotFound
 from sidecar.engine_client import EngineClient
 from sidecar.sessions import SessionManager
 from sidecar.snapshot_codec import join_snapshot, split_snapshot
-from sidecar.store import GenerationConflict, SessionStore, StoreError, StoreUnavailable
+from sidecar.store import GenerationConflict, SessionStore, StoredSession, StoreError, StoreUnavailable
 
 __all__ = ["SnapshotWriter", "join_snapshot", "split_snapshot"]  # the codec's home: sidecar.snapshot_codec
 
@@ -67,6 +67,9 @@ class SnapshotWriter:
         self.rewrites = 0
         """Sessions written again because the store had lost or rolled back their last commit."""
         sessions.on_store_behind = self.mark_dirty
+        self.on_commit: list[Callable[[str, StoredSession], None]] = []
+        """Called (in a worker thread) after each commit with the session's key and what was committed
+        (``app`` is the sidecar metadata stored with it): the HTTP front indexes the session's transcript there. A StoreError is logged."""
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="chainkv-snapshot-writer")
@@ -193,6 +196,11 @@ class SnapshotWriter:
             self.writes += 1
             if self.hooks is not None:
                 self.hooks.on_snapshot(key, len(stored.kv or b""), time.monotonic() - started)
+            for listener in self.on_commit:
+                try:
+                    await asyncio.to_thread(listener, key, stored)
+                except StoreError as e:
+                    log.warning("after the snapshot of %s: %s", key, e)
 
 
 def store_regressed(committed: int | None, conflict: GenerationConflict) -> bool:

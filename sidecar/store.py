@@ -383,6 +383,8 @@ class RedisStore(SessionStore):
     def _ttl(self) -> int:
         return max(1, math.ceil(self.ttl_s))
 
+    ttl_seconds = _ttl  # public: the TTL other keys of this store get (sidecar/transcript_index.py)
+
     def meta_key(self, key: str) -> str:
         return f"{self.prefix}:{{{key}}}:meta"
 
@@ -400,6 +402,8 @@ class RedisStore(SessionStore):
             raise StoreUnavailable(f"redis is unreachable: {e}") from None
         except r.exceptions.RedisError as e:
             raise StoreError(f"redis: {e}") from None
+
+    call = _call  # public: a command of another module with this store's error mapping
 
     def ping(self) -> None:
         self._call(self.client.ping)
@@ -515,6 +519,8 @@ class DirectoryStore(SessionStore):
         except OSError as e:
             tmp.unlink(missing_ok=True)
             raise StoreUnavailable(f"cannot write {path}: {e}") from None
+
+    atomic_write = _atomic_write  # public: for the transcript index's files (sidecar/transcript_index.py)
 
     def _mkdir(self, key: str) -> Path:
         d = self.folder(key)

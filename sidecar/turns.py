@@ -57,6 +57,9 @@ class TurnState:
     started_at: float = field(default_factory=time.monotonic)
     completion: bytes | None = None
     """The serialized TurnCompletion once the turn finished (what a retry replays)."""
+    on_complete: Callable[[Session, pb.TurnCompletion], None] | None = None
+    """The caller's, called when the turn finished, before its snapshot is taken (a front's metadata
+    about the turn, ``Session.front``, then travels with that snapshot)."""
 
     @property
     def finished(self) -> bool:
@@ -90,16 +93,35 @@ class TurnRunner:
         self.settling: set[asyncio.Task] = set()
         """Releases of turns whose callers went away, still running."""
 
-    async def run(self, tenant: str, request: pb.TurnRequest, deadline: float | None) -> AsyncIterator[pb.TurnEvent]:
-        """The events of one Turn RPC for ``tenant``; raises what ``status_for`` turns into a code."""
+    async def run(
+        self,
+        tenant: str,
+        request: pb.TurnRequest,
+        deadline: float | None,
+        on_complete: Callable[[Session, pb.TurnCompletion], None] | None = None,
+    ) -> AsyncIterator[pb.TurnEvent]:
+        """The events of one Turn RPC for ``tenant``; raises what ``status_for`` turns into a code.
+        ``on_complete``: see ``TurnState.on_complete``."""
         args = parse_turn(request, self.limits)
         async for event in self.run_args(
-            tenant, args, deadline, max_tokens_given=request.HasField("max_tokens"), digest=request_digest(request)
+            tenant,
+            args,
+            deadline,
+            max_tokens_given=request.HasField("max_tokens"),
+            digest=request_digest(request),
+            on_complete=on_complete,
         ):
             yield event
 
     async def run_args(
-        self, tenant: str, args: TurnArgs, deadline: float | None, *, max_tokens_given: bool, digest: str = ""
+        self,
+        tenant: str,
+        args: TurnArgs,
+        deadline: float | None,
+        *,
+        max_tokens_given: bool,
+        digest: str = "",
+        on_complete: Callable[[Session, pb.TurnCompletion], None] | None = None,
     ) -> AsyncIterator[pb.TurnEvent]:
         """One turn from already-checked arguments (any front: gRPC, HTTP): text and token deltas,
         tool calls, then the completion, as ``chainkv.v1.TurnEvent`` messages. ``digest``: the
@@ -129,7 +151,7 @@ class TurnRunner:
             except QuotaExceeded:
                 self.sessions.end_turn(s, running, None)
                 raise
-        state = TurnState(session=s, key=key, args=args, running=running)
+        state = TurnState(session=s, key=key, args=args, running=running, on_complete=on_complete)
         try:
             async for event in self._generate(state):
                 yield event
@@ -237,6 +259,8 @@ class TurnRunner:
         if result.session is not None:
             s.update(result.session, self.sessions.end_of_turn_id)
         state.completion = completion.SerializeToString()
+        if state.on_complete is not None:
+            state.on_complete(s, completion)
         if self.commit_turn is not None:
             await self.commit_turn(s, state.running, state.completion)
         self.mark_dirty(key)

@@ -27,12 +27,12 @@ FORCE = {"type": "function", "function": {"name": "get_weather"}}
 class Live:
     """A sidecar (ServerThread) with its HTTP front, on one engine and one store."""
 
-    def __init__(self, engine, store):
+    def __init__(self, engine, store, **options):
         from sidecar.auth import Authenticator
         from sidecar.http.app import HttpFront, HttpOptions
         from sidecar.server import ServerOptions, ServerThread
 
-        self.thread = ServerThread(engine, ServerOptions(port=0, auth=Authenticator(TOKENS)), store)
+        self.thread = ServerThread(engine, ServerOptions(port=0, auth=Authenticator(TOKENS), **options), store)
         self.thread.start()
         self.http = HttpFront(self.thread.server, HttpOptions(port=0))
         self.port = self.thread.run(self.http.start())

@@ -101,3 +101,86 @@ def test_responses_previous_response_id_resolves_on_the_other_replica(replicas, 
     with pytest.raises(Exception) as e:  # another tenant sees none of it, on either replica
         b.client("tok-beta").responses.retrieve(third.id)
     assert getattr(e.value, "status_code", None) == 404
+
+
+def _chat_keys(live: Live, tenant: str = "alpha") -> dict[str, int]:
+    """The Chat Completions sessions this replica holds: key -> turn index."""
+    from sidecar.http.conversations import FRONT_KEY
+
+    def keys():
+        return {
+            s.key: s.turn_index
+            for s in live.thread.server.sessions.all()
+            if s.in_engine and FRONT_KEY in s.front and s.key.startswith(tenant + "/")
+        }
+
+    return live.thread.call(keys)
+
+
+def _reused_all(before, u) -> bool:
+    """``u``'s turn reused everything of the turn ``before`` (the history but this turn's messages)."""
+    return u.prompt_tokens_details.cached_tokens >= before.prompt_tokens + before.completion_tokens - 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_completions_without_a_cache_key_resume_on_the_other_replica(replicas, stream):
+    """No prompt_cache_key: the session is found by its transcript in the store's index, on any replica."""
+    a, b = replicas
+    msgs = [{"role": "user", "content": f"Tell me a story about {'rivers' if stream else 'hills'}."}]
+    had = _chat_keys(a)
+    reply, u1 = _complete(a.client(), a.model, msgs, stream, max_tokens=12)
+    (key,) = set(_chat_keys(a)) - set(had)
+    _flush(a)
+    turn2 = msgs + [reply, {"role": "user", "content": "Go on."}]
+
+    # another tenant sending the same conversation gets a session of its own
+    _, ub = _complete(b.client("tok-beta"), b.model, turn2, stream, max_tokens=4)
+    assert not _reused_all(u1, ub) and key not in _chat_keys(b, "beta")
+    # an edited history (the reply, or the question before it) does not continue the session
+    edited_reply = msgs + [dict(reply, content=reply["content"] + " (edited)"), turn2[-1]]
+    edited_question = [{"role": "user", "content": msgs[0]["content"] + "!"}] + turn2[1:]
+    for edited in (edited_reply, edited_question):
+        _, ue = _complete(b.client(), b.model, edited, stream, max_tokens=4)
+        assert not _reused_all(u1, ue) and key not in _chat_keys(b)
+
+    reply2, u2 = _complete(b.client(), b.model, turn2, stream, max_tokens=12)
+    assert _reused_all(u1, u2) and u2.prompt_tokens > u1.prompt_tokens
+    assert _chat_keys(b)[key] == 2  # the same session, resumed from A's snapshot
+    _flush(b)
+    turn3 = turn2 + [reply2, {"role": "user", "content": "The end?"}]
+    _, u3 = _complete(a.client(), a.model, turn3, stream, max_tokens=12)
+    assert _reused_all(u2, u3) and u3.prompt_tokens > u2.prompt_tokens
+    assert _chat_keys(a)[key] == 3  # back on A: its older copy gave way to B's snapshot
+
+
+@pytest.mark.parametrize("durability", ["async", "sync"])
+def test_chat_completions_without_a_cache_key_resume_after_a_restart(tiny_chat_dir, tmp_path, durability):
+    """The directory store: a restarted server (a fresh engine on the same folder) finds the session;
+    with durability sync too (the turn's snapshot is written before its reply is sent, and carries
+    the reply's transcript digest)."""
+    from engine.config import EngineConfig
+    from engine.llm import LLMEngine
+    from sidecar.store import open_store
+
+    def server():
+        engine = LLMEngine(
+            EngineConfig(model=tiny_chat_dir, num_pages=2000, prefill_chunk_size=128, max_model_len=4096)
+        )
+        return Live(engine, open_store(str(tmp_path / "sessions")), durability=durability)
+
+    first = server()
+    try:
+        msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+        reply, u1 = _complete(first.client(), first.model, msgs, False, max_tokens=12)
+        (key,) = _chat_keys(first)
+        _flush(first)
+    finally:
+        first.stop()
+    second = server()
+    try:
+        turn2 = msgs + [reply, {"role": "user", "content": "Another."}]
+        _, u2 = _complete(second.client(), second.model, turn2, False, max_tokens=12)
+        assert _reused_all(u1, u2)
+        assert _chat_keys(second) == {key: 2}
+    finally:
+        second.stop()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.server import Draining
 from sidecar.sessions import Session, scoped_key
+from sidecar.transcript_index import Found, StoredTranscripts
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +39,14 @@ class SessionBackend:
         return self.server.options.auth.tenant([("authorization", authorization)] if authorization else [])
 
     # --- turns --------------------------------------------------------------------------------------
-    async def turn(self, authorization: str | None, request: pb.TurnRequest) -> AsyncIterator[pb.TurnEvent]:
-        """Run one turn: its TextDelta / ToolCall events, then its TurnCompletion (errors raise)."""
+    async def turn(
+        self, authorization: str | None, request: pb.TurnRequest, on_complete=None
+    ) -> AsyncIterator[pb.TurnEvent]:
+        """Run one turn: its TextDelta / ToolCall events, then its TurnCompletion (errors raise).
+        ``on_complete(session, completion)``: called before the turn's snapshot is taken."""
         tenant = self.tenant(authorization)
         self.server.client.check_serving()
-        async for event in self.server.turns.run(tenant, request, None):
+        async for event in self.server.turns.run(tenant, request, None, on_complete):
             yield event
 
     # --- sessions -----------------------------------------------------------------------------------
@@ -95,6 +99,30 @@ class SessionBackend:
 
     def mark_dirty(self, key: str) -> None:
         self.server.mark_dirty(key)
+
+    # --- the transcript index in the store -----------------------------------------------------------
+    def stored_transcripts(self, front_key: str, turn_key: str) -> StoredTranscripts | None:
+        """The store's transcript index (sidecar/transcript_index.py), fed by each committed snapshot;
+        None without a store (or a writer)."""
+        store, writer = self.server.store, getattr(self.server, "writer", None)
+        if store is None or writer is None:
+            return None
+        try:
+            index = StoredTranscripts(store, front_key, turn_key)
+        except TypeError:  # a store kind without an index: this replica's memory only
+            return None
+        writer.on_commit.append(index.put_committed)
+        return index
+
+    async def find_transcript(self, index: StoredTranscripts, tenant: str, digests: list[bytes]) -> Found | None:
+        """``index.find`` off the event loop; a store that cannot be reached finds nothing."""
+        from sidecar.store_errors import StoreError
+
+        try:
+            return await asyncio.to_thread(index.find, tenant, digests)
+        except StoreError as e:
+            log.warning("the store's transcript index cannot be read (%s); starting a new session", e)
+            return None
 
 
 async def prepend(first, rest: AsyncIterator):

@@ -11,6 +11,7 @@ per tool call, the finish chunk, then (``stream_options.include_usage``) a usage
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -25,11 +26,13 @@ from sidecar.http import requests as rq
 from sidecar.http.backend import SessionBackend, prepend
 from sidecar.http.conversations import (
     FRONT_KEY,
+    FRONT_TURN_KEY,
     TranscriptIndex,
     chain,
     prefix_digests,
     seed_digest,
     session_id_for_key,
+    transcript_digest,
 )
 from sidecar.http.errors import from_exception, invalid
 from sidecar.protocol import InvalidRequest, message_dict
@@ -81,6 +84,8 @@ class ChatCompletions:
     def __init__(self, backend: SessionBackend, index: TranscriptIndex | None = None):
         self.backend = backend
         self.index = index or TranscriptIndex()
+        self.stored = backend.stored_transcripts(FRONT_KEY, FRONT_TURN_KEY)
+        """The same index in the store, shared by the replicas on it (None: no store)."""
 
     async def create(self, body: dict, authorization: str | None, session_header: str | None):
         """The completion (a dict), or an async iterator of SSE lines when ``stream``."""
@@ -147,24 +152,53 @@ class ChatCompletions:
             if s is not None:
                 await b.end(key)  # the client changed the history: begin the session again
             return _Plan(sid, key, 0, None, explicit=True)
-        for k in range(len(messages) - 1, 0, -1):
-            if messages[k - 1].role != "assistant":
-                continue
+        # a transcript ends after a reply: the candidates, longest first
+        candidates = [k for k in range(len(messages) - 1, 0, -1) if messages[k - 1].role == "assistant"]
+        here = None
+        for k in candidates:  # this replica's index
             key = self.index.get(digests[k])
             if key is None:
                 continue
             s = b.local(key)
-            if s is not None and s.in_engine and not s.busy and s.front.get(FRONT_KEY) == digests[k].hex():
-                return _Plan(key.rsplit("/", 1)[-1], key, k, s.turn_index, explicit=False)
+            if (
+                s is not None
+                and s.in_engine
+                and not s.busy
+                and transcript_digest(s.front, s.turn_index) == digests[k].hex()
+            ):
+                here = _Plan(key.rsplit("/", 1)[-1], key, k, s.turn_index, explicit=False)
+                break
+        longer = [k for k in candidates if here is None or k > here.start]
+        if longer and self.stored is not None:  # the store's, for a longer prefix (another replica's turns)
+            plan = await self._stored_plan(tenant, [(k, digests[k]) for k in longer], digests, messages)
+            if plan is not None:
+                return plan
+        if here is not None:
+            return here
         sid = "chat-" + uuid.uuid4().hex
         return _Plan(sid, b.key(tenant, sid), 0, None, explicit=False)
+
+    async def _stored_plan(self, tenant: str, candidates: list[tuple[int, bytes]], digests, messages) -> "_Plan | None":
+        """The session the store's index names for the longest of ``candidates`` (k, digest), loaded
+        from its snapshot (as a named session is on a miss); None when there is none."""
+        found = await self.backend.find_transcript(self.stored, tenant, [d for _, d in candidates])
+        if found is None:
+            return None
+        k = candidates[found.position][0]
+        s = await self.backend.find_newer(found.key, found.turn_index)
+        if s is None or s.busy or _continues(s, digests, messages) != k:
+            return None
+        self.index.put(found.key, digests[k])
+        return _Plan(found.key.rsplit("/", 1)[-1], found.key, k, s.turn_index, explicit=False)
 
 
 def _continues(s, digests: list[bytes], messages: list) -> int | None:
     """The longest prefix ``messages[:k]`` (k >= 1) whose digest is the session's transcript, or None."""
     if s is None:
         return None
-    have = s.front.get(FRONT_KEY)
+    have = transcript_digest(s.front, s.turn_index)
+    if have is None:
+        return None
     for k in range(len(messages) - 1, 0, -1):
         if digests[k].hex() == have:
             return k
@@ -206,10 +240,9 @@ class _Run:
         plan, first = self.plan, True
         while True:
             try:
-                async for event in self.owner.backend.turn(self.authorization, self._request(plan)):
+                remember = functools.partial(self._remember, plan)
+                async for event in self.owner.backend.turn(self.authorization, self._request(plan), remember):
                     first = False
-                    if event.HasField("completion"):
-                        self._remember(plan, event.completion)
                     yield event
                 return
             except (SessionBusy, TurnIndexMismatch):
@@ -219,18 +252,17 @@ class _Run:
                 sid = "chat-" + uuid.uuid4().hex
                 plan = _Plan(sid, plan.key.rsplit("/", 1)[0] + "/" + sid if "/" in plan.key else sid, 0, None, False)
 
-    def _remember(self, plan: _Plan, c: pb.TurnCompletion) -> None:
-        """The session's transcript now ends with this reply (no await here: the snapshot the turn
-        just queued carries it)."""
+    def _remember(self, plan: _Plan, s, c: pb.TurnCompletion) -> None:
+        """The session's transcript now ends with this reply (called before the turn's snapshot is
+        taken, which then carries it)."""
         reply = {
             "role": "assistant",
             "content": c.text,
             "tool_calls": [{"name": t.name, "arguments": json.loads(t.arguments_json or "{}")} for t in c.tool_calls],
         }
         digest = chain(self.digests[len(self.messages)], reply)
-        s = self.owner.backend.local(plan.key)
-        if s is not None:
-            s.front[FRONT_KEY] = digest.hex()
+        s.front[FRONT_KEY] = digest.hex()
+        s.front[FRONT_TURN_KEY] = s.turn_index
         self.owner.index.put(plan.key, digest)
 
     async def whole(self) -> dict:

@@ -7,7 +7,9 @@ by chained digests: ``d_0`` = SHA-256 of the tenant, the tools and the session's
 ``d_{k-1}`` and the k-th message in canonical form (role, text, name, tool calls by name and
 arguments parsed as JSON; tool-call ids and whitespace in arguments do not count, since
 frameworks rewrite them). A session's current digest is kept with it (``Session.front``, so it
-travels with its snapshot) and in this replica's ``TranscriptIndex`` (digest -> session key).
+travels with its snapshot), in this replica's ``TranscriptIndex`` (digest -> session key) and,
+once the session's snapshot is committed, in the store's index (sidecar/transcript_index.py), which
+every replica sharing the store reads when its own index knows no prefix as long.
 
 With ``prompt_cache_key`` (or an ``X-Session-Id`` header) the client names the session: it is
 continued when its transcript is a prefix of the request, and restarted (ended, then begun again
@@ -25,7 +27,19 @@ from typing import Any
 
 FRONT_KEY = "chat_transcript"
 """``Session.front`` entry: the digest of the session's transcript after its last turn."""
+FRONT_TURN_KEY = "chat_transcript_turn"
+"""``Session.front`` entry: the turn index the digest was recorded at. A session whose turn index is
+another (a turn ran that did not record its transcript) matches no transcript."""
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:@+=~-]{1,128}")
+
+
+def transcript_digest(front: dict, turn_index: int) -> str | None:
+    """The session's transcript digest (hex) when it is the one of its current turn, else None."""
+    turn = front.get(FRONT_TURN_KEY)
+    if turn is not None and turn != turn_index:
+        return None
+    digest = front.get(FRONT_KEY)
+    return digest if isinstance(digest, str) else None
 
 
 def canonical(message: dict[str, Any]) -> list:
