@@ -107,11 +107,16 @@ def test_every_redis_key_expires(redis_proc):
     assert len(keys) == 4 and all(0 < r.client.ttl(k) <= 600 for k in keys)  # meta, fence, 2 chunks
 
 
-def test_directory_sessions_expire(tmp_path):
-    d = DirectoryStore(tmp_path, ttl_s=0.2)
+def test_directory_sessions_expire(tmp_path, monkeypatch):
+    import sidecar.store as store_module
+
+    now = [1_000_000.0]  # the store's clock, moved by hand: no sleep, no race with a loaded machine
+    monkeypatch.setattr(store_module.time, "time", lambda: now[0])
+    d = DirectoryStore(tmp_path, ttl_s=60)
     d.save("s", session(1, blob=b"x"), expected_generation=None)
+    now[0] += 59
     assert d.load("s") is not None
-    time.sleep(0.3)
+    now[0] += 2
     assert d.load("s") is None and d.sweep() == 1 and not d.folder("s").exists()
     # an expired session no longer blocks a new one under its id
     d.save("s", session(1), expected_generation=None)
