@@ -24,7 +24,8 @@ def section(d: dict, stem: str) -> str:
     fams = [f for f in ("needle", "state", "shared") if any(r["family"] == f for r in d["rows"])]
     cal = [dict(c, accuracy=_pct(c["accuracy"]), kept="yes" if c["kept"] else "dropped") for c in d["calibration"]]
     parts = [
-        f"## Agent quality over turns ({'GPU' if 'gpu' in stem else 'CPU'})",
+        f"## Agent quality over turns ({'GPU' if 'gpu' in stem else 'CPU'})"
+        + ("" if stem in ("agent_quality_cpu", "agent_quality_gpu") else f": {stem}"),
         f"`benchmarks/agent_quality.py` on {where}, {d['model']}, size `{d['size']}`, {d['samples']} samples per "
         "size (seed %d), through the engine's chain API (`LLMEngine.add_turn`, in process). Families: a needle "
         "record in turn 1's tool output asked for in turn N (needle), a key updated by tool outputs asked for "

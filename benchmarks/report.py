@@ -394,6 +394,8 @@ def main() -> None:
         render = RENDERERS.get(path.stem)
         if render is None and path.stem.startswith("agent_trace") and "rows" in d and "trace" in d:
             render = lambda d, stem=path.stem: agent_trace_section(d, stem)  # noqa: E731
+        if render is None and path.stem.startswith("agent_quality") and "calibration" in d:
+            render = _agent_quality(path.stem)
         parts.append(render(d) if render else generic_section(path.stem, d))
     DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text("\n\n".join(p for p in parts if p) + "\n")
