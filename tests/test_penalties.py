@@ -148,6 +148,40 @@ def test_penalties_are_refused_or_keep_the_logits_usable(presence, frequency, re
     assert not torch.isnan(logits).any() and torch.isfinite(logits).any()
 
 
+# --- the gRPC Turn and the adapters' requests ---------------------------------------------------------
+
+
+def _turn(**options):
+    from agent_adapters.client import build_turn_request
+
+    return build_turn_request("s", [{"role": "user", "content": "hi"}], **options)
+
+
+def test_turn_request_penalties_reach_sampling_params():
+    from sidecar.protocol import Limits, parse_turn
+
+    args = parse_turn(_turn(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.3), Limits())
+    assert (args.params.presence_penalty, args.params.frequency_penalty, args.params.repetition_penalty) == (
+        0.5,
+        -1.0,
+        1.3,
+    )
+    unset = parse_turn(_turn(), Limits()).params
+    assert (unset.presence_penalty, unset.frequency_penalty, unset.repetition_penalty) == (0.0, 0.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [(n, v) for n in ("presence_penalty", "frequency_penalty") for v in (float("nan"), float("inf"), 2.5, -1e300)]
+    + [("repetition_penalty", v) for v in (float("nan"), -float("inf"), 0.0, -1.0, 1e-300, 1e300)],
+)
+def test_hostile_turn_request_penalties_are_invalid_requests(name, value):
+    from sidecar.protocol import InvalidRequest, Limits, parse_turn
+
+    with pytest.raises(InvalidRequest, match=name):
+        parse_turn(_turn(**{name: value}), Limits())
+
+
 # --- engine ------------------------------------------------------------------------------------------
 
 
@@ -187,9 +221,9 @@ def test_smollm2_repetition_penalty_equals_hf_generate(smol_engine, smollm2_hf):
     prompt = chat(smol_engine, LOOP_PROMPT)
     out = smol_engine.generate([prompt], SamplingParams(max_tokens=40, repetition_penalty=1.3))[0]
     with torch.no_grad():
-        ref = smollm2_hf.generate(
-            torch.tensor([prompt]), max_new_tokens=40, do_sample=False, repetition_penalty=1.3
-        )[0, len(prompt) :].tolist()
+        ref = smollm2_hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, repetition_penalty=1.3)[
+            0, len(prompt) :
+        ].tolist()
     assert out.token_ids == ref[: len(out.token_ids)]
 
 
