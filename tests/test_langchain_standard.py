@@ -45,6 +45,9 @@ JSON_MODE_KEYS = "json_mode is any JSON object, not the schema's keys; SmolLM2-1
 SCHEMAS = ["pydantic", "typeddict", "json_schema"]
 MAX_TOKENS = 64
 """Caps every reply (also the models the suite builds from ``chat_model_params`` alone)."""
+import os  # noqa: E402  EXPERIMENT
+_PEN = os.environ.get("LC_PEN", "")  # e.g. frequency_penalty=1.0
+PENALTY = {k: float(v) for k, v in (kv.split("=") for kv in _PEN.split(",") if kv)}
 
 
 class _Live:
@@ -165,7 +168,7 @@ class TestChatChainKVIntegration(_Features, _SmolLM2Limits, ChatModelIntegration
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        return {"target": _Live.grpc, "max_tokens": MAX_TOKENS}
+        return {"target": _Live.grpc, "max_tokens": MAX_TOKENS, **PENALTY}
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
         llm = ChatChainKV(**self.chat_model_params)
@@ -204,6 +207,8 @@ class TestChatOpenAIFrontIntegration(_Features, _SmolLM2Limits, ChatModelIntegra
             "api_key": "none",
             "max_tokens": MAX_TOKENS,
             "stream_usage": True,  # stream_options.include_usage (on by default only for api.openai.com)
+            **{k: v for k, v in PENALTY.items() if k != "repetition_penalty"},
+            **({"extra_body": {"repetition_penalty": PENALTY["repetition_penalty"]}} if "repetition_penalty" in PENALTY else {}),
         }
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
