@@ -204,6 +204,29 @@ def test_tiny_model_penalties_are_batch_invariant_and_change_the_reply(tiny_engi
     assert len(set(alone[1])) == len(alone[1])  # +2 per occurrence outweighs a tiny model's logit gaps
 
 
+@pytest.mark.parametrize(
+    "penalty,runs_ahead",
+    [
+        ({}, True),
+        ({"frequency_penalty": 0.5}, False),
+        ({"presence_penalty": -1.0}, False),
+        ({"repetition_penalty": 1.1}, False),
+    ],
+)
+def test_penalized_sequences_never_run_ahead(tiny_engine, monkeypatch, penalty, runs_ahead):
+    """Run-ahead decode (CUDA graphs, GPU only) argmaxes on the device without the penalties: the step
+    loop must not choose it while a penalized sequence runs. Checked here on the decision itself."""
+    loop = tiny_engine.loop
+    tiny_engine.add_request(list(range(5, 25)), SamplingParams(max_tokens=4, ignore_eos=True, **penalty))
+    tiny_engine.step()  # the prompt is in: the sequence is decoding
+    monkeypatch.setattr(loop.runner, "graphs", object())  # as on a GPU with CUDA graphs
+    monkeypatch.setattr(loop.config, "async_decode", True)
+    assert loop._overlap_ok() is runs_ahead
+    monkeypatch.undo()
+    while tiny_engine.has_unfinished():
+        tiny_engine.step()
+
+
 def test_tiny_model_session_turns_take_penalties(tiny_engine):
     params = SamplingParams(max_tokens=12, ignore_eos=True, presence_penalty=2.0)
     first = run_turn(tiny_engine, "pen", list(range(5, 25)), params)
