@@ -5,18 +5,22 @@ The unit suites build the models without a server (fast tier). The integration s
 in-process sidecar per file (``ServerThread`` on the shared SmolLM2 engine, with its HTTP front on the
 same event loop), greedy, with ``max_tokens`` capped (slow tier).
 
-Expected failures (``_SmolLM2Limits``, xfail non-strict; each fails on what SmolLM2-135M writes, not on
-the route, and would pass on a model that does these things):
+Every reply is decoded with ``repetition_penalty=1.1`` (``PENALTY``; vLLM's, over the prompt and the reply,
+``engine/penalties.py``): SmolLM2-135M, greedy and unpenalized, loops inside a JSON string ("The cat was
+a cat, and the cat was a cat, ...") and never closes it before ``max_tokens``, so a schema-constrained
+reply is cut short and does not parse. A 135M model needs a repetition penalty to close its strings,
+and that is how a user would run it; with it the structured-output and JSON-mode tests pass on both
+routes (repetition_penalty 1.15 and 1.2, frequency_penalty 0.5 and 1.0, presence_penalty 1.0 each left
+some of them failing; greedy decoding is deterministic, so these results repeat).
+
+Expected failures (xfail non-strict; each fails on what SmolLM2-135M writes, not on the route, and would
+pass on a model that does these things):
 
 - ``test_agent_loop``: the model must decide by itself to call the tool (no ``tool_choice``); it does not.
-- the structured-output tests (``test_structured_output*``): the reply is decoded under the Joke schema
-  (a forced tool call, or ``json_schema``), so it parses whenever it ends; but the model, greedy, never
-  closes the joke's ``setup`` string (forced call: "The cat was a cat, and the cat was a cat, ..." still
-  at 200 tokens; ``json_schema``, where nothing in the prompt asks for JSON and the grammar leads it to
-  spell the key ``s``, ``et``, ``u``, ``p``: "Situ pakai, sampu, sampu, ..."), so the reply is cut short
-  at ``max_tokens`` and there is nothing to parse.
-- ``test_json_mode``: ``json_mode`` is any JSON object (OpenAI's meaning), not the schema's keys; the
-  model writes ``{"setup": ...}`` and leaves out the ``punchline`` the prompt asks for.
+- ``test_structured_output_pydantic_2_v1`` on ``ChatChainKV``: its last step asks for a forced call of the
+  pydantic-v1 schema as a dict (``Joke.schema()``); under that tool schema the model writes a ``setup``
+  that runs past ``max_tokens`` even with the penalty, so there is no call to parse. (``ChatOpenAI``'s
+  default ``json_schema`` method passes it.)
 """
 
 from __future__ import annotations
@@ -38,16 +42,13 @@ from agent_adapters.langchain import ChatChainKV  # noqa: E402
 
 CHOOSES_TOOL = "needs the model to choose a tool call on its own; SmolLM2-135M does not"
 NEVER_ENDS = (
-    "SmolLM2-135M, greedy, never closes the joke's string (it repeats itself past max_tokens), so the "
-    "schema-constrained reply is cut short and does not parse"
+    "SmolLM2-135M, greedy, does not close the joke's string under the pydantic-v1 dict schema's forced call "
+    "(even with repetition_penalty), so the constrained reply is cut short at max_tokens and does not parse"
 )
-JSON_MODE_KEYS = "json_mode is any JSON object, not the schema's keys; SmolLM2-135M leaves out the 'punchline' key the prompt asks for"
-SCHEMAS = ["pydantic", "typeddict", "json_schema"]
 MAX_TOKENS = 64
 """Caps every reply (also the models the suite builds from ``chat_model_params`` alone)."""
-import os  # noqa: E402  EXPERIMENT
-_PEN = os.environ.get("LC_PEN", "")  # e.g. frequency_penalty=1.0
-PENALTY = {k: float(v) for k, v in (kv.split("=") for kv in _PEN.split(",") if kv)}
+PENALTY = 1.1
+"""``repetition_penalty`` of every reply (module docstring): without it SmolLM2-135M never closes a JSON string."""
 
 
 class _Live:
@@ -125,28 +126,6 @@ class _SmolLM2Limits:
     def test_agent_loop(self, model: BaseChatModel) -> None:
         super().test_agent_loop(model)
 
-    @pytest.mark.xfail(reason=NEVER_ENDS, strict=False)
-    @pytest.mark.parametrize("schema_type", SCHEMAS)
-    def test_structured_output(self, model: BaseChatModel, schema_type: str) -> None:
-        super().test_structured_output(model, schema_type)
-
-    @pytest.mark.xfail(reason=NEVER_ENDS, strict=False)
-    @pytest.mark.parametrize("schema_type", SCHEMAS)
-    async def test_structured_output_async(self, model: BaseChatModel, schema_type: str) -> None:
-        await super().test_structured_output_async(model, schema_type)
-
-    @pytest.mark.xfail(reason=NEVER_ENDS, strict=False)
-    def test_structured_output_pydantic_2_v1(self, model: BaseChatModel) -> None:
-        super().test_structured_output_pydantic_2_v1(model)
-
-    @pytest.mark.xfail(reason=NEVER_ENDS, strict=False)
-    def test_structured_output_optional_param(self, model: BaseChatModel) -> None:
-        super().test_structured_output_optional_param(model)
-
-    @pytest.mark.xfail(reason=JSON_MODE_KEYS, strict=False)
-    def test_json_mode(self, model: BaseChatModel) -> None:
-        super().test_json_mode(model)
-
 
 # --- ChatChainKV (gRPC) -------------------------------------------------------------------------------
 class TestChatChainKVUnit(_Features, ChatModelUnitTests):
@@ -168,7 +147,11 @@ class TestChatChainKVIntegration(_Features, _SmolLM2Limits, ChatModelIntegration
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        return {"target": _Live.grpc, "max_tokens": MAX_TOKENS, **PENALTY}
+        return {"target": _Live.grpc, "max_tokens": MAX_TOKENS, "repetition_penalty": PENALTY}
+
+    @pytest.mark.xfail(reason=NEVER_ENDS, strict=False)
+    def test_structured_output_pydantic_2_v1(self, model: BaseChatModel) -> None:
+        super().test_structured_output_pydantic_2_v1(model)
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
         llm = ChatChainKV(**self.chat_model_params)
@@ -207,8 +190,7 @@ class TestChatOpenAIFrontIntegration(_Features, _SmolLM2Limits, ChatModelIntegra
             "api_key": "none",
             "max_tokens": MAX_TOKENS,
             "stream_usage": True,  # stream_options.include_usage (on by default only for api.openai.com)
-            **{k: v for k, v in PENALTY.items() if k != "repetition_penalty"},
-            **({"extra_body": {"repetition_penalty": PENALTY["repetition_penalty"]}} if "repetition_penalty" in PENALTY else {}),
+            "extra_body": {"repetition_penalty": PENALTY},  # vLLM's extension field, which the front reads
         }
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
