@@ -182,6 +182,20 @@ def test_hostile_turn_request_penalties_are_invalid_requests(name, value):
         parse_turn(_turn(**{name: value}), Limits())
 
 
+def test_adapters_send_the_penalties():
+    from agent_adapters.langchain import ChatChainKV
+    from agent_adapters.llamaindex import ChainKVLLM
+
+    fields = {"presence_penalty": 0.5, "frequency_penalty": 1.0, "repetition_penalty": 1.1}
+    _, _, _, lc = ChatChainKV(target="127.0.0.1:1", **fields)._call_args([], None, {}, None)
+    _, _, _, li = ChainKVLLM(target="127.0.0.1:1", **fields)._args([], {})
+    for options in (lc, li):
+        options = {k: v for k, v in options.items() if k != "timeout_s"}
+        req = _turn(**options)
+        assert (req.presence_penalty, req.frequency_penalty, req.repetition_penalty) == (0.5, 1.0, 1.1)
+    assert not _turn().HasField("repetition_penalty")
+
+
 # --- engine ------------------------------------------------------------------------------------------
 
 
