@@ -5,13 +5,15 @@ The unit suites build the models without a server (fast tier). The integration s
 in-process sidecar per file (``ServerThread`` on the shared SmolLM2 engine, with its HTTP front on the
 same event loop), greedy, with ``max_tokens`` capped (slow tier).
 
-Every reply is decoded with ``repetition_penalty=1.1`` (``PENALTY``; vLLM's, over the prompt and the reply,
-``engine/penalties.py``): SmolLM2-135M, greedy and unpenalized, loops inside a JSON string ("The cat was
-a cat, and the cat was a cat, ...") and never closes it before ``max_tokens``, so a schema-constrained
-reply is cut short and does not parse. A 135M model needs a repetition penalty to close its strings,
-and that is how a user would run it; with it the structured-output and JSON-mode tests pass on both
-routes (repetition_penalty 1.15 and 1.2, frequency_penalty 0.5 and 1.0, presence_penalty 1.0 each left
-some of them failing; greedy decoding is deterministic, so these results repeat).
+The structured-output and JSON-mode tests decode with ``repetition_penalty=1.1`` (``PENALTY``; vLLM's,
+over the prompt and the reply, ``engine/penalties.py``; ``_SmolLM2Limits.penalized``): SmolLM2-135M,
+greedy and unpenalized, loops inside a JSON string ("The cat was a cat, and the cat was a cat, ...") and
+never closes it before ``max_tokens``, so a schema-constrained reply is cut short and does not parse. A
+135M model needs a repetition penalty to close its strings, and that is how a user would run it; with it
+these tests pass on both routes (repetition_penalty 1.15 and 1.2, frequency_penalty 0.5 and 1.0,
+presence_penalty 1.0 each left some of them failing; greedy decoding is deterministic, so these results
+repeat). The other tests run unpenalized: a penalty over the prompt keeps the model from copying the
+tool argument it is asked for (``test_tool_calling``: ``magic_function(3)`` is called with 256).
 
 Expected failures (xfail non-strict; each fails on what SmolLM2-135M writes, not on the route, and would
 pass on a model that does these things):
@@ -45,10 +47,12 @@ NEVER_ENDS = (
     "SmolLM2-135M, greedy, does not close the joke's string under the pydantic-v1 dict schema's forced call "
     "(even with repetition_penalty), so the constrained reply is cut short at max_tokens and does not parse"
 )
+SCHEMAS = ["pydantic", "typeddict", "json_schema"]
 MAX_TOKENS = 64
 """Caps every reply (also the models the suite builds from ``chat_model_params`` alone)."""
 PENALTY = 1.1
-"""``repetition_penalty`` of every reply (module docstring): without it SmolLM2-135M never closes a JSON string."""
+"""``repetition_penalty`` of the structured-output tests (module docstring): without it SmolLM2-135M never
+closes a JSON string."""
 
 
 class _Live:
@@ -119,7 +123,29 @@ class _Features:
 
 
 class _SmolLM2Limits:
-    """The standard tests that fail on SmolLM2-135M's replies (module docstring), as expected failures."""
+    """What SmolLM2-135M needs (module docstring): a repetition penalty for structured output, and the
+    standard tests that fail on its replies, as expected failures."""
+
+    def penalized(self, model: BaseChatModel) -> BaseChatModel:
+        """``model`` decoding with ``repetition_penalty=PENALTY`` (per route)."""
+        raise NotImplementedError
+
+    @pytest.mark.parametrize("schema_type", SCHEMAS)
+    def test_structured_output(self, model: BaseChatModel, schema_type: str) -> None:
+        super().test_structured_output(self.penalized(model), schema_type)
+
+    @pytest.mark.parametrize("schema_type", SCHEMAS)
+    async def test_structured_output_async(self, model: BaseChatModel, schema_type: str) -> None:
+        await super().test_structured_output_async(self.penalized(model), schema_type)
+
+    def test_structured_output_pydantic_2_v1(self, model: BaseChatModel) -> None:
+        super().test_structured_output_pydantic_2_v1(self.penalized(model))
+
+    def test_structured_output_optional_param(self, model: BaseChatModel) -> None:
+        super().test_structured_output_optional_param(self.penalized(model))
+
+    def test_json_mode(self, model: BaseChatModel) -> None:
+        super().test_json_mode(self.penalized(model))
 
     @pytest.mark.xfail(reason=CHOOSES_TOOL, strict=False)
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
@@ -147,7 +173,10 @@ class TestChatChainKVIntegration(_Features, _SmolLM2Limits, ChatModelIntegration
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        return {"target": _Live.grpc, "max_tokens": MAX_TOKENS, "repetition_penalty": PENALTY}
+        return {"target": _Live.grpc, "max_tokens": MAX_TOKENS}
+
+    def penalized(self, model: BaseChatModel) -> BaseChatModel:
+        return model.model_copy(update={"repetition_penalty": PENALTY})
 
     @pytest.mark.xfail(reason=NEVER_ENDS, strict=False)
     def test_structured_output_pydantic_2_v1(self, model: BaseChatModel) -> None:
@@ -190,8 +219,11 @@ class TestChatOpenAIFrontIntegration(_Features, _SmolLM2Limits, ChatModelIntegra
             "api_key": "none",
             "max_tokens": MAX_TOKENS,
             "stream_usage": True,  # stream_options.include_usage (on by default only for api.openai.com)
-            "extra_body": {"repetition_penalty": PENALTY},  # vLLM's extension field, which the front reads
         }
+
+    def penalized(self, model: BaseChatModel) -> BaseChatModel:
+        # vLLM's extension field, which the front reads
+        return model.model_copy(update={"extra_body": {"repetition_penalty": PENALTY}})
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
         # a stateless request whose messages extend an earlier conversation continues its session
