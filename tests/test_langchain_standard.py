@@ -6,7 +6,7 @@ in-process sidecar per file (``ServerThread`` on the shared SmolLM2 engine, with
 same event loop), greedy, with ``max_tokens`` capped (slow tier).
 
 The structured-output and JSON-mode tests decode with ``repetition_penalty=1.1`` (``PENALTY``; vLLM's,
-over the prompt and the reply, ``engine/penalties.py``; ``_SmolLM2Limits.penalized``): SmolLM2-135M,
+over the prompt and the reply, ``engine/penalties.py``; ``_SmolLM2Limits.model``): SmolLM2-135M,
 greedy and unpenalized, loops inside a JSON string ("The cat was a cat, and the cat was a cat, ...") and
 never closes it before ``max_tokens``, so a schema-constrained reply is cut short and does not parse. A
 135M model needs a repetition penalty to close its strings, and that is how a user would run it; with it
@@ -47,7 +47,8 @@ NEVER_ENDS = (
     "SmolLM2-135M, greedy, does not close the joke's string under the pydantic-v1 dict schema's forced call "
     "(even with repetition_penalty), so the constrained reply is cut short at max_tokens and does not parse"
 )
-SCHEMAS = ["pydantic", "typeddict", "json_schema"]
+PENALIZED_TESTS = ("test_structured_output", "test_json_mode")
+"""The tests whose model decodes with ``PENALTY`` (every test whose name begins so)."""
 MAX_TOKENS = 64
 """Caps every reply (also the models the suite builds from ``chat_model_params`` alone)."""
 PENALTY = 1.1
@@ -126,26 +127,22 @@ class _SmolLM2Limits:
     """What SmolLM2-135M needs (module docstring): a repetition penalty for structured output, and the
     standard tests that fail on its replies, as expected failures."""
 
-    def penalized(self, model: BaseChatModel) -> BaseChatModel:
-        """``model`` decoding with ``repetition_penalty=PENALTY`` (per route)."""
-        raise NotImplementedError
+    penalty_params: dict[str, Any] = {}
+    """The route's fields for ``repetition_penalty=PENALTY``."""
 
-    @pytest.mark.parametrize("schema_type", SCHEMAS)
-    def test_structured_output(self, model: BaseChatModel, schema_type: str) -> None:
-        super().test_structured_output(self.penalized(model), schema_type)
-
-    @pytest.mark.parametrize("schema_type", SCHEMAS)
-    async def test_structured_output_async(self, model: BaseChatModel, schema_type: str) -> None:
-        await super().test_structured_output_async(self.penalized(model), schema_type)
-
-    def test_structured_output_pydantic_2_v1(self, model: BaseChatModel) -> None:
-        super().test_structured_output_pydantic_2_v1(self.penalized(model))
-
-    def test_structured_output_optional_param(self, model: BaseChatModel) -> None:
-        super().test_structured_output_optional_param(self.penalized(model))
-
-    def test_json_mode(self, model: BaseChatModel) -> None:
-        super().test_json_mode(self.penalized(model))
+    @pytest.fixture
+    def model(self, request: Any) -> BaseChatModel:
+        """The suite's ``model`` fixture (the same parameters), with ``penalty_params`` added for the
+        structured-output and JSON-mode tests (module docstring). A fixture, not the tests: the suite
+        allows a standard test to be overridden only to mark it xfail."""
+        params = {
+            **self.standard_chat_model_params,
+            **self.chat_model_params,
+            **(getattr(request, "param", None) or {}),
+        }
+        if request.function.__name__.startswith(PENALIZED_TESTS):
+            params.update(self.penalty_params)
+        return self.chat_model_class(**params)
 
     @pytest.mark.xfail(reason=CHOOSES_TOOL, strict=False)
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
@@ -175,8 +172,7 @@ class TestChatChainKVIntegration(_Features, _SmolLM2Limits, ChatModelIntegration
     def chat_model_params(self) -> dict[str, Any]:
         return {"target": _Live.grpc, "max_tokens": MAX_TOKENS}
 
-    def penalized(self, model: BaseChatModel) -> BaseChatModel:
-        return model.model_copy(update={"repetition_penalty": PENALTY})
+    penalty_params = {"repetition_penalty": PENALTY}
 
     @pytest.mark.xfail(reason=NEVER_ENDS, strict=False)
     def test_structured_output_pydantic_2_v1(self, model: BaseChatModel) -> None:
@@ -221,9 +217,7 @@ class TestChatOpenAIFrontIntegration(_Features, _SmolLM2Limits, ChatModelIntegra
             "stream_usage": True,  # stream_options.include_usage (on by default only for api.openai.com)
         }
 
-    def penalized(self, model: BaseChatModel) -> BaseChatModel:
-        # vLLM's extension field, which the front reads
-        return model.model_copy(update={"extra_body": {"repetition_penalty": PENALTY}})
+    penalty_params = {"extra_body": {"repetition_penalty": PENALTY}}  # vLLM's extension field, which the front reads
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
         # a stateless request whose messages extend an earlier conversation continues its session
