@@ -52,7 +52,18 @@ from agent_adapters.output_format import OUTPUT_FIELDS, response_format_proto, t
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos")
+SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 BUSY_DETAILS = "a turn is already running"
 """How the sidecar's ABORTED for a busy session begins (sidecar/sessions.py SessionBusy)."""
 METHOD_FIELDS = ("method", "budget", "budget_ratio", "method_args", "shared_prefix_messages")
@@ -152,7 +163,7 @@ def build_turn_request(
     **options: Any,
 ) -> pb.TurnRequest:
     """A TurnRequest; ``options`` are the sampling fields (max_tokens, temperature, top_k, top_p,
-    seed, stop, ignore_eos) and the session's method fields (method, budget, budget_ratio,
+    seed, stop, ignore_eos, presence_penalty, frequency_penalty, repetition_penalty) and the session's method fields (method, budget, budget_ratio,
     method_args, shared_prefix_messages) and the output fields (response_format, tool_choice: see
     ``agent_adapters.output_format``). None values are left unset (the server's defaults)."""
     unknown = set(options) - set(SAMPLING_FIELDS) - set(METHOD_FIELDS) - set(OUTPUT_FIELDS)

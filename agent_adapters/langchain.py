@@ -139,6 +139,12 @@ class ChatChainKV(BaseChatModel):
     top_p: float | None = None
     seed: int | None = None
     stop: list[str] | None = None
+    presence_penalty: float | None = None
+    """OpenAI's, in [-2, 2]: lowers every token the reply already contains."""
+    frequency_penalty: float | None = None
+    """OpenAI's, in [-2, 2]: lowers a token once per time the reply contains it."""
+    repetition_penalty: float | None = None
+    """vLLM's, in [0.01, 100] (1 is off): divides the positive logits of tokens in the prompt or reply."""
     # the session's sparse method (first turn only)
     method: str | None = None
     budget: int | None = None
@@ -288,6 +294,9 @@ class ChatChainKV(BaseChatModel):
             "top_p": self.top_p,
             "seed": self.seed,
             "stop": stop if stop is not None else self.stop,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
             "method": self.method,
             "budget": self.budget,
             "budget_ratio": self.budget_ratio,

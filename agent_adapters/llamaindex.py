@@ -146,6 +146,9 @@ class ChainKVLLM(FunctionCallingLLM):
     top_p: float | None = Field(default=None)
     seed: int | None = Field(default=None)
     stop: list[str] | None = Field(default=None)
+    presence_penalty: float | None = Field(default=None, description="OpenAI's, in [-2, 2].")
+    frequency_penalty: float | None = Field(default=None, description="OpenAI's, in [-2, 2].")
+    repetition_penalty: float | None = Field(default=None, description="vLLM's, in [0.01, 100]; 1 is off.")
     method: str | None = Field(default=None, description="The session's sparse method (first turn).")
     budget: int | None = Field(default=None)
     budget_ratio: float | None = Field(default=None)
@@ -191,6 +194,9 @@ class ChainKVLLM(FunctionCallingLLM):
             "top_p": self.top_p,
             "seed": self.seed,
             "stop": self.stop,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
             "method": self.method,
             "budget": self.budget,
             "budget_ratio": self.budget_ratio,

@@ -1,5 +1,7 @@
 """SamplingParams and the sampler: greedy, temperature, top-k, top-p, per-request seeds, and the
 grammar masks of structured output (engine/constrained.py) applied to the logits before any of them.
+The repetition penalties (presence, frequency, repetition; engine/penalties.py) are applied by the
+step loop before the grammar masks.
 
 Each sampling request owns a ``torch.Generator`` seeded from its ``seed`` (or the engine's seed
 and the request's arrival order), so its tokens do not depend on which other requests share
@@ -35,6 +37,11 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 """Longest stop string (characters): the detokenizer looks for every stop string after each token."""
 MAX_STOP_TOKEN_IDS = 1024
+MAX_OPENAI_PENALTY = 2.0
+"""presence_penalty and frequency_penalty lie in [-MAX_OPENAI_PENALTY, MAX_OPENAI_PENALTY] (OpenAI's range)."""
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+"""repetition_penalty's range: it divides (or multiplies) logits, so 1e-300 would overflow them."""
 
 
 @dataclass
@@ -56,6 +63,13 @@ class SamplingParams:
     """Keep the logits row each generated token was sampled from."""
     constraint: Constraint | None = None
     """Structured output: the reply must match this grammar (engine/constrained.py)."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted from the logit of every token the reply already contains (0 is off)."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted once per occurrence of the token in the reply so far (0 is off)."""
+    repetition_penalty: float = 1.0
+    """vLLM's / Hugging Face's: the logits of tokens in the prompt or the reply are divided by it
+    when positive, multiplied when not (1 is off; engine/penalties.py)."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -83,6 +97,21 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise SamplingError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -MAX_OPENAI_PENALTY <= v <= MAX_OPENAI_PENALTY:
+                raise SamplingError(
+                    f"{name} must be a finite number in [{-MAX_OPENAI_PENALTY:g}, {MAX_OPENAI_PENALTY:g}], not {v!r}"
+                )
+        rp = self.repetition_penalty
+        if not _is_real(rp) or not MIN_REPETITION_PENALTY <= rp <= MAX_REPETITION_PENALTY:
+            raise SamplingError(
+                f"repetition_penalty must be a finite number in [{MIN_REPETITION_PENALTY:g}, "
+                f"{MAX_REPETITION_PENALTY:g}] (1 is off), not {rp!r}"
+            )
+        self.presence_penalty = float(self.presence_penalty)
+        self.frequency_penalty = float(self.frequency_penalty)
+        self.repetition_penalty = float(rp)
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise SamplingError("constraint must be an engine.constrained.Constraint")
 

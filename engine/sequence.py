@@ -81,6 +81,8 @@ class Sequence:
         """While > num_cached: prefill chunks stop here, so a prefix holder can be made at it."""
         self.prompt_logits: list[torch.Tensor] = []  # per chunk, when params.prompt_logits
         self.step_logits: list[torch.Tensor] = []  # per sampled token, when params.return_logits
+        self.penalty_state = None
+        """engine/penalties.py: this turn's token counts, while its params use a penalty."""
 
     @property
     def num_tokens(self) -> int:

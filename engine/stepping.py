@@ -18,6 +18,7 @@ from typing import Any, Hashable
 
 from engine.chain import ChainCache
 from engine.config import EngineConfig
+from engine.penalties import apply_penalties, uses_penalty
 from engine.runner import InFlight, ModelRunner
 from engine.sampling import sample
 from engine.scheduler import Scheduler
@@ -105,6 +106,7 @@ class StepLoop:
             constrain = None
             if self.grammar_masks is not None and any(m is not None for m in matchers):
                 constrain = lambda logits: self.grammar_masks(logits, matchers)  # noqa: E731
+            apply_penalties(result.logits, result.sampling)  # before the grammar masks
             tokens, errors = sample(
                 result.logits, [s.params for s in result.sampling], [s.generator for s in result.sampling], constrain
             )
@@ -126,7 +128,8 @@ class StepLoop:
         return [self.output(s) for s in touched]
 
     def _overlap_ok(self) -> bool:
-        """Can the next step run ahead of its predecessor's tokens? Steady greedy decoding only."""
+        """Can the next step run ahead of its predecessor's tokens? Steady greedy decoding only, without
+        grammars or penalties (both need the previous token on the host before the next row is sampled)."""
         if self.runner.graphs is None or not self.config.async_decode:
             return False
         s = self.scheduler
@@ -138,6 +141,7 @@ class StepLoop:
             and q.params.greedy
             and not q.params.return_logits
             and q.matcher is None
+            and not uses_penalty(q.params)
             and not (q.seq_id in chains and chains[q.seq_id].queries is not None)
             for q in s.running
         )
@@ -188,6 +192,7 @@ class StepLoop:
         seq.pending_text += seq.detok.flush()
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        seq.penalty_state = None  # a session's sequence outlives its turn: free the penalty counts
         self.totals[f"finished_{reason}"] += 1
         self.scheduler.remove(seq)
         if seq.seq_id in self.chains.chains:  # a session keeps its chain

@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's, in [0.01, 100]; 1 is off")
     gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     add_engine_args(gen)
@@ -367,6 +370,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             seed=config.seed,
             stop=args.stop,
             ignore_eos=args.ignore_eos,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            repetition_penalty=args.repetition_penalty,
         )
     except (ConfigError, SamplingError) as e:
         print(f"chainkv: {e}", file=sys.stderr)

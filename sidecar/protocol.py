@@ -109,6 +109,9 @@ def parse_turn(req: pb.TurnRequest, limits: Limits) -> TurnArgs:
             seed=req.seed if req.HasField("seed") else None,
             stop=list(req.stop),
             ignore_eos=req.ignore_eos,
+            presence_penalty=req.presence_penalty if req.HasField("presence_penalty") else 0.0,
+            frequency_penalty=req.frequency_penalty if req.HasField("frequency_penalty") else 0.0,
+            repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
         )
     except SamplingError as e:
         raise InvalidRequest(str(e)) from None

@@ -54,6 +54,26 @@ def test_gpu_graphs_equal_eager_bf16(tiny_models):
     assert [o.token_ids for o in graphs] == [o.token_ids for o in eager]
 
 
+def test_gpu_penalties_under_graphs_and_run_ahead_equal_eager(tiny_models):
+    """Penalized rows sample on the host (never run ahead); batched with plain greedy rows that could."""
+    path, _ = tiny_models("llama")
+    prompts = [
+        torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 60, 130, 17)
+    ]
+    params = [
+        SamplingParams(max_tokens=24, ignore_eos=True),
+        SamplingParams(max_tokens=24, ignore_eos=True, frequency_penalty=2.0, presence_penalty=0.5),
+        SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=100.0),
+        SamplingParams(max_tokens=24, ignore_eos=True),
+    ]
+    engine = _engine(path, dtype="float32")
+    graphs = engine.generate(prompts, params)
+    eager = _engine(path, dtype="float32", cuda_graphs=False).generate(prompts, params)
+    assert [o.token_ids for o in graphs] == [o.token_ids for o in eager]
+    assert engine.runner.graph_steps > 0
+    assert len(set(graphs[1].token_ids)) == len(graphs[1].token_ids)
+
+
 def assert_same_decoding(a, b, tol: float = 1e-3):
     """Same tokens, or the same logits up to the first token where the two differ only because
     its top two logits are within ``tol`` (a near tie that float rounding may break either way)."""

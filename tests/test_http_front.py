@@ -263,6 +263,33 @@ HOSTILE = [
     (b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "top_p": Infinity}', 400, "top_p"),
     (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "n": 10**9}).encode(), 400, "n"),
     (
+        b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "presence_penalty": NaN}',
+        400,
+        "presence_penalty",
+    ),
+    (
+        json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": -2.5}).encode(),
+        400,
+        "frequency_penalty",
+    ),
+    (
+        json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": "1"}).encode(),
+        400,
+        "frequency_penalty",
+    ),
+    (
+        json.dumps(
+            {"model": "M", "messages": [{"role": "user", "content": "x"}], "repetition_penalty": 1e-300}
+        ).encode(),
+        400,
+        "repetition_penalty",
+    ),
+    (
+        b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "repetition_penalty": Infinity}',
+        400,
+        "repetition_penalty",
+    ),
+    (
         json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**12}).encode(),
         400,
         "max_tokens",
@@ -340,6 +367,30 @@ def test_hostile_requests_get_openai_errors(live, raw, status, param):
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     if param is not None:
         assert (err["param"] or "").startswith(param) or param in err["message"]
+
+
+def test_penalties_reach_the_engine_on_both_apis(live):
+    c = live.client()
+    msgs = [{"role": "user", "content": "Say something long."}]
+    plain = c.chat.completions.create(model=live.model, messages=msgs, max_tokens=24)
+    penalized = [
+        c.chat.completions.create(model=live.model, messages=msgs, max_tokens=24, frequency_penalty=2.0),
+        c.chat.completions.create(model=live.model, messages=msgs, max_tokens=24, presence_penalty=2.0),
+        c.chat.completions.create(
+            model=live.model, messages=msgs, max_tokens=24, extra_body={"repetition_penalty": 100.0}
+        ),
+    ]
+    for r in penalized:
+        assert r.choices[0].message.content != plain.choices[0].message.content
+    plain_r = c.responses.create(model=live.model, input="Say something long.", max_output_tokens=24, store=False)
+    pen_r = c.responses.create(
+        model=live.model,
+        input="Say something long.",
+        max_output_tokens=24,
+        store=False,
+        extra_body={"frequency_penalty": 2.0},
+    )
+    assert pen_r.output_text != plain_r.output_text
 
 
 def test_auth_errors_and_the_server_keeps_serving(live):

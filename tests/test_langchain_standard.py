@@ -5,18 +5,24 @@ The unit suites build the models without a server (fast tier). The integration s
 in-process sidecar per file (``ServerThread`` on the shared SmolLM2 engine, with its HTTP front on the
 same event loop), greedy, with ``max_tokens`` capped (slow tier).
 
-Expected failures (``_SmolLM2Limits``, xfail non-strict; each fails on what SmolLM2-135M writes, not on
-the route, and would pass on a model that does these things):
+The structured-output and JSON-mode tests decode with ``repetition_penalty=1.1`` (``PENALTY``; vLLM's,
+over the prompt and the reply, ``engine/penalties.py``; ``_SmolLM2Limits.model``): SmolLM2-135M,
+greedy and unpenalized, loops inside a JSON string ("The cat was a cat, and the cat was a cat, ...") and
+never closes it before ``max_tokens``, so a schema-constrained reply is cut short and does not parse. A
+135M model needs a repetition penalty to close its strings, and that is how a user would run it; with it
+these tests pass on both routes (repetition_penalty 1.15 and 1.2, frequency_penalty 0.5 and 1.0,
+presence_penalty 1.0 each left some of them failing; greedy decoding is deterministic, so these results
+repeat). The other tests run unpenalized: a penalty over the prompt keeps the model from copying the
+tool argument it is asked for (``test_tool_calling``: ``magic_function(3)`` is called with 256).
+
+Expected failures (xfail non-strict; each fails on what SmolLM2-135M writes, not on the route, and would
+pass on a model that does these things):
 
 - ``test_agent_loop``: the model must decide by itself to call the tool (no ``tool_choice``); it does not.
-- the structured-output tests (``test_structured_output*``): the reply is decoded under the Joke schema
-  (a forced tool call, or ``json_schema``), so it parses whenever it ends; but the model, greedy, never
-  closes the joke's ``setup`` string (forced call: "The cat was a cat, and the cat was a cat, ..." still
-  at 200 tokens; ``json_schema``, where nothing in the prompt asks for JSON and the grammar leads it to
-  spell the key ``s``, ``et``, ``u``, ``p``: "Situ pakai, sampu, sampu, ..."), so the reply is cut short
-  at ``max_tokens`` and there is nothing to parse.
-- ``test_json_mode``: ``json_mode`` is any JSON object (OpenAI's meaning), not the schema's keys; the
-  model writes ``{"setup": ...}`` and leaves out the ``punchline`` the prompt asks for.
+- ``test_structured_output_pydantic_2_v1`` on ``ChatChainKV``: its last step asks for a forced call of the
+  pydantic-v1 schema as a dict (``Joke.schema()``); under that tool schema the model writes a ``setup``
+  that runs past ``max_tokens`` even with the penalty, so there is no call to parse. (``ChatOpenAI``'s
+  default ``json_schema`` method passes it.)
 """
 
 from __future__ import annotations
@@ -38,13 +44,16 @@ from agent_adapters.langchain import ChatChainKV  # noqa: E402
 
 CHOOSES_TOOL = "needs the model to choose a tool call on its own; SmolLM2-135M does not"
 NEVER_ENDS = (
-    "SmolLM2-135M, greedy, never closes the joke's string (it repeats itself past max_tokens), so the "
-    "schema-constrained reply is cut short and does not parse"
+    "SmolLM2-135M, greedy, does not close the joke's string under the pydantic-v1 dict schema's forced call "
+    "(even with repetition_penalty), so the constrained reply is cut short at max_tokens and does not parse"
 )
-JSON_MODE_KEYS = "json_mode is any JSON object, not the schema's keys; SmolLM2-135M leaves out the 'punchline' key the prompt asks for"
-SCHEMAS = ["pydantic", "typeddict", "json_schema"]
+PENALIZED_TESTS = ("test_structured_output", "test_json_mode")
+"""The tests whose model decodes with ``PENALTY`` (every test whose name begins so)."""
 MAX_TOKENS = 64
 """Caps every reply (also the models the suite builds from ``chat_model_params`` alone)."""
+PENALTY = 1.1
+"""``repetition_penalty`` of the structured-output tests (module docstring): without it SmolLM2-135M never
+closes a JSON string."""
 
 
 class _Live:
@@ -115,34 +124,30 @@ class _Features:
 
 
 class _SmolLM2Limits:
-    """The standard tests that fail on SmolLM2-135M's replies (module docstring), as expected failures."""
+    """What SmolLM2-135M needs (module docstring): a repetition penalty for structured output, and the
+    standard tests that fail on its replies, as expected failures."""
+
+    penalty_params: dict[str, Any] = {}
+    """The route's fields for ``repetition_penalty=PENALTY``."""
+
+    @pytest.fixture
+    def model(self, request: Any) -> BaseChatModel:
+        """The suite's ``model`` fixture (the same parameters), with ``penalty_params`` added for the
+        structured-output and JSON-mode tests (module docstring). A fixture, not the tests: the suite
+        allows a standard test to be overridden only to mark it xfail."""
+        params = {
+            **self.standard_chat_model_params,
+            **self.chat_model_params,
+            **(getattr(request, "param", None) or {}),
+        }
+        if request.function.__name__.startswith(PENALIZED_TESTS):
+            params.update(self.penalty_params)
+        return self.chat_model_class(**params)
 
     @pytest.mark.xfail(reason=CHOOSES_TOOL, strict=False)
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
     def test_agent_loop(self, model: BaseChatModel) -> None:
         super().test_agent_loop(model)
-
-    @pytest.mark.xfail(reason=NEVER_ENDS, strict=False)
-    @pytest.mark.parametrize("schema_type", SCHEMAS)
-    def test_structured_output(self, model: BaseChatModel, schema_type: str) -> None:
-        super().test_structured_output(model, schema_type)
-
-    @pytest.mark.xfail(reason=NEVER_ENDS, strict=False)
-    @pytest.mark.parametrize("schema_type", SCHEMAS)
-    async def test_structured_output_async(self, model: BaseChatModel, schema_type: str) -> None:
-        await super().test_structured_output_async(model, schema_type)
-
-    @pytest.mark.xfail(reason=NEVER_ENDS, strict=False)
-    def test_structured_output_pydantic_2_v1(self, model: BaseChatModel) -> None:
-        super().test_structured_output_pydantic_2_v1(model)
-
-    @pytest.mark.xfail(reason=NEVER_ENDS, strict=False)
-    def test_structured_output_optional_param(self, model: BaseChatModel) -> None:
-        super().test_structured_output_optional_param(model)
-
-    @pytest.mark.xfail(reason=JSON_MODE_KEYS, strict=False)
-    def test_json_mode(self, model: BaseChatModel) -> None:
-        super().test_json_mode(model)
 
 
 # --- ChatChainKV (gRPC) -------------------------------------------------------------------------------
@@ -166,6 +171,12 @@ class TestChatChainKVIntegration(_Features, _SmolLM2Limits, ChatModelIntegration
     @property
     def chat_model_params(self) -> dict[str, Any]:
         return {"target": _Live.grpc, "max_tokens": MAX_TOKENS}
+
+    penalty_params = {"repetition_penalty": PENALTY}
+
+    @pytest.mark.xfail(reason=NEVER_ENDS, strict=False)
+    def test_structured_output_pydantic_2_v1(self, model: BaseChatModel) -> None:
+        super().test_structured_output_pydantic_2_v1(model)
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
         llm = ChatChainKV(**self.chat_model_params)
@@ -205,6 +216,8 @@ class TestChatOpenAIFrontIntegration(_Features, _SmolLM2Limits, ChatModelIntegra
             "max_tokens": MAX_TOKENS,
             "stream_usage": True,  # stream_options.include_usage (on by default only for api.openai.com)
         }
+
+    penalty_params = {"extra_body": {"repetition_penalty": PENALTY}}  # vLLM's extension field, which the front reads
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
         # a stateless request whose messages extend an earlier conversation continues its session

@@ -169,6 +169,13 @@ def test_3_a_rolled_back_signed_record_is_data_loss(side):
         ("top_p", 0.0),
         ("top_p", 1.5),
         ("top_k", -3),
+        ("presence_penalty", float("nan")),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -float("inf")),
+        ("frequency_penalty", -1e300),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", 1e-300),
+        ("repetition_penalty", float("inf")),
     ],
 )
 def test_4_bad_sampling_fields_are_invalid_argument(side, field, value):

@@ -1,6 +1,6 @@
 """Request fields both OpenAI APIs share, checked as hostile input and set on a ``TurnRequest``.
 
-Sampling (temperature, top_p, seed, stop, the max tokens), function tools, ``tool_choice``, the JSON
+Sampling (temperature, top_p, presence/frequency/repetition penalties, seed, stop, the max tokens), function tools, ``tool_choice``, the JSON
 output formats and the ``chainkv`` extension field (``extra_body={"chainkv": {"method": "snapkv",
 "budget": 1024}}``: the session's method, checked by the same code as the gRPC Turn's). Anything
 out of range is a 400 naming the field; nothing reaches the engine unchecked.
@@ -74,13 +74,21 @@ def integer(body: dict, name: str, lo: int, hi: int, *, prefix: str = "") -> int
 
 
 def set_sampling(req: pb.TurnRequest, body: dict, max_token_names: tuple[str, ...]) -> None:
-    """temperature, top_p, top_k, seed, stop, ignore_eos and the first of ``max_token_names`` that is set."""
+    """temperature, top_p, presence_penalty, frequency_penalty, repetition_penalty, top_k, seed, stop,
+    ignore_eos and the first of ``max_token_names`` that is set."""
     t = number(body, "temperature", 0.0, 2.0)
     if t is not None:
         req.temperature = t
     p = number(body, "top_p", 0.0, 1.0, lo_open=True)
     if p is not None:
         req.top_p = p
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = number(body, name, -2.0, 2.0)
+        if v is not None:
+            setattr(req, name, v)
+    rp = number(body, "repetition_penalty", 0.01, 100.0)  # vLLM's extension; 1 is off
+    if rp is not None:
+        req.repetition_penalty = rp
     top_k = integer(body, "top_k", 0, INT32)  # vLLM's extension
     if top_k is not None:
         req.top_k = top_k

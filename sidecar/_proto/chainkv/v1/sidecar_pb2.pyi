@@ -94,7 +94,7 @@ class ToolCall(_message.Message):
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments_json: _Optional[str] = ...) -> None: ...
 
 class TurnRequest(_message.Message):
-    __slots__ = ("session_id", "request_id", "messages", "tools", "expected_turn_index", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "method", "budget", "budget_ratio", "method_args", "shared_prefix_messages", "public_prefix", "response_format", "tool_choice")
+    __slots__ = ("session_id", "request_id", "messages", "tools", "expected_turn_index", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "method", "budget", "budget_ratio", "method_args", "shared_prefix_messages", "public_prefix", "response_format", "tool_choice")
     class MethodArgsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,9 @@ class TurnRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     BUDGET_RATIO_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +137,9 @@ class TurnRequest(_message.Message):
     seed: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     ignore_eos: bool
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
     method: str
     budget: int
     budget_ratio: float
@@ -142,7 +148,7 @@ class TurnRequest(_message.Message):
     public_prefix: bool
     response_format: ResponseFormat
     tool_choice: ToolChoice
-    def __init__(self, session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., expected_turn_index: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., method: _Optional[str] = ..., budget: _Optional[int] = ..., budget_ratio: _Optional[float] = ..., method_args: _Optional[_Mapping[str, str]] = ..., shared_prefix_messages: _Optional[int] = ..., public_prefix: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., expected_turn_index: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., method: _Optional[str] = ..., budget: _Optional[int] = ..., budget_ratio: _Optional[float] = ..., method_args: _Optional[_Mapping[str, str]] = ..., shared_prefix_messages: _Optional[int] = ..., public_prefix: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ...) -> None: ...
 
 class ResponseFormat(_message.Message):
     __slots__ = ("type", "json_schema", "regex", "grammar")
