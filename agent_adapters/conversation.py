@@ -22,6 +22,32 @@ from agent_adapters.ledger import Plan, SessionLedger
 from agent_adapters.messages import ChatMessage, ToolSpec, TurnEvent, TurnResult
 
 
+TURN_SETTINGS = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "method",
+    "budget",
+    "budget_ratio",
+)
+"""The sampling and method fields both framework models declare under the client's names."""
+
+
+def turn_options(model: Any, **overrides: Any) -> dict[str, Any]:
+    """A framework model's per-turn options for ``Conversations``: its ``TURN_SETTINGS`` fields and
+    ``method_args``, no response format or tool choice, then ``overrides``."""
+    options = {name: getattr(model, name) for name in TURN_SETTINGS}
+    options.update(method_args=model.method_args or None, response_format=None, tool_choice=None)
+    options.update(overrides)
+    return options
+
+
 class Conversations:
     def __init__(
         self,

@@ -49,7 +49,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 
-from agent_adapters.conversation import Conversations
+from agent_adapters.conversation import Conversations, turn_options
 from agent_adapters.messages import ChatMessage, TextDelta, ToolCall, ToolSpec, TurnResult, as_tool
 from agent_adapters.output_format import named_tool_choice
 
@@ -287,24 +287,7 @@ class ChatChainKV(BaseChatModel):
         kwargs = dict(kwargs)
         key = self._key(kwargs, run_manager)
         tools: list[ToolSpec] = list(kwargs.pop("tools", []) or [])
-        options = {
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_k": self.top_k,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "stop": stop if stop is not None else self.stop,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-            "method": self.method,
-            "budget": self.budget,
-            "budget_ratio": self.budget_ratio,
-            "method_args": self.method_args or None,
-            "response_format": None,
-            "tool_choice": None,
-            "timeout_s": None,
-        }
+        options = turn_options(self, stop=stop if stop is not None else self.stop, timeout_s=None)
         if "timeout" in kwargs:
             kwargs["timeout_s"] = kwargs.pop("timeout")
         options.update({k: v for k, v in kwargs.items() if k in options})

@@ -48,7 +48,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 
-from agent_adapters.conversation import Conversations
+from agent_adapters.conversation import Conversations, turn_options
 from agent_adapters.messages import ChatMessage, TextDelta, ToolCall, ToolSpec, TurnResult, as_tool
 from agent_adapters.output_format import named_tool_choice
 
@@ -187,23 +187,7 @@ class ChainKVLLM(FunctionCallingLLM):
         kwargs = dict(kwargs)
         key = kwargs.pop("session_id", self.session_id)
         tools: list[ToolSpec] = list(kwargs.pop("tools", None) or [])
-        options = {
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_k": self.top_k,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "stop": self.stop,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-            "method": self.method,
-            "budget": self.budget,
-            "budget_ratio": self.budget_ratio,
-            "method_args": self.method_args or None,
-            "response_format": None,
-            "tool_choice": None,
-        }
+        options = turn_options(self)
         options.update({k: v for k, v in kwargs.items() if k in options})
         return key, [to_chat_message(m) for m in messages], tools, options
 
