@@ -196,15 +196,15 @@ class ChatChainKV(BaseChatModel):
         schema: dict[str, Any] | type,
         *,
         include_raw: bool = False,
-        method: str = "function_calling",
+        method: str = "json_schema",
         strict: bool | None = None,
         **kwargs: Any,
     ) -> Runnable[LanguageModelInput, dict | BaseModel]:
         """Replies parsed into ``schema`` (a pydantic class, a TypedDict, a JSON Schema or an OpenAI
-        tool dict). ``method``: "function_calling" (one forced call to a tool of that schema) or
-        "json_schema" (the reply itself is JSON under the schema, through ``response_format``) or
-        "json_mode" (any JSON object; parsed into ``schema`` when it is a pydantic class). Both are
-        decoded under a grammar, so the output parses."""
+        tool dict). ``method``: "json_schema" (the default, as langchain-openai's: the reply itself is
+        JSON under the schema, through ``response_format``), "function_calling" (one forced call to a
+        tool of that schema) or "json_mode" (any JSON object; parsed into ``schema`` when it is a
+        pydantic class). Each is decoded under a grammar, so the output parses."""
         if kwargs:
             raise ValueError(f"Received unsupported arguments {kwargs}")
         if method == "function_calling":

@@ -16,13 +16,13 @@ repeat). The other tests run unpenalized: a penalty over the prompt keeps the mo
 tool argument it is asked for (``test_tool_calling``: ``magic_function(3)`` is called with 256).
 
 Expected failures (xfail non-strict; each fails on what SmolLM2-135M writes, not on the route, and would
-pass on a model that does these things):
+pass on a model that does it): ``test_agent_loop``, where the model must decide by itself to call the tool
+(no ``tool_choice``); it does not.
 
-- ``test_agent_loop``: the model must decide by itself to call the tool (no ``tool_choice``); it does not.
-- ``test_structured_output_pydantic_2_v1`` on ``ChatChainKV``: its last step asks for a forced call of the
-  pydantic-v1 schema as a dict (``Joke.schema()``); under that tool schema the model writes a ``setup``
-  that runs past ``max_tokens`` even with the penalty, so there is no call to parse. (``ChatOpenAI``'s
-  default ``json_schema`` method passes it.)
+``ChatChainKV.with_structured_output`` defaults to ``method="json_schema"``, as langchain-openai does: the
+reply itself is the schema's JSON. Under the forced-tool-call method (``function_calling``) the model
+writes the pydantic-v1 joke's ``setup`` past ``max_tokens`` inside the tool-call envelope, even with the
+penalty; that method is still tested on its own (tests/test_adapters_structured.py).
 """
 
 from __future__ import annotations
@@ -43,10 +43,6 @@ from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
 from agent_adapters.langchain import ChatChainKV  # noqa: E402
 
 CHOOSES_TOOL = "needs the model to choose a tool call on its own; SmolLM2-135M does not"
-NEVER_ENDS = (
-    "SmolLM2-135M, greedy, does not close the joke's string under the pydantic-v1 dict schema's forced call "
-    "(even with repetition_penalty), so the constrained reply is cut short at max_tokens and does not parse"
-)
 PENALIZED_TESTS = ("test_structured_output", "test_json_mode")
 """The tests whose model decodes with ``PENALTY`` (every test whose name begins so)."""
 MAX_TOKENS = 64
@@ -173,10 +169,6 @@ class TestChatChainKVIntegration(_Features, _SmolLM2Limits, ChatModelIntegration
         return {"target": _Live.grpc, "max_tokens": MAX_TOKENS}
 
     penalty_params = {"repetition_penalty": PENALTY}
-
-    @pytest.mark.xfail(reason=NEVER_ENDS, strict=False)
-    def test_structured_output_pydantic_2_v1(self, model: BaseChatModel) -> None:
-        super().test_structured_output_pydantic_2_v1(model)
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
         llm = ChatChainKV(**self.chat_model_params)

@@ -188,7 +188,8 @@ def test_rank0_serves_grpc(tmp_path):
         second = run(sidecar.stub, request("tp-session", [("user", "And again.")]))
         assert len(first.token_ids) == len(second.token_ids) == 8
         assert second.usage.reused_tokens > 0
-        assert sidecar.signal(signal.SIGTERM, timeout=120) == 0
+        code = sidecar.signal(signal.SIGTERM, timeout=120)
+        assert code == 0, f"exit code {code}; the sidecar printed:\n" + "".join(sidecar.output)
     finally:
         if sidecar.proc.poll() is None:
             sidecar.proc.kill()
