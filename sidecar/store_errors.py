@@ -1,4 +1,4 @@
-"""The session store's errors, apart from the stores (sidecar/store.py) and the integrity layer
+"""The session store's errors, apart from the stores (sidecar/store/) and the integrity layer
 (sidecar/integrity.py), which both raise them: neither imports the other for them."""
 
 from __future__ import annotations

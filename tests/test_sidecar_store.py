@@ -108,10 +108,10 @@ def test_every_redis_key_expires(redis_proc):
 
 
 def test_directory_sessions_expire(tmp_path, monkeypatch):
-    import sidecar.store as store_module
+    from sidecar.store import directory_store
 
     now = [1_000_000.0]  # the store's clock, moved by hand: no sleep, no race with a loaded machine
-    monkeypatch.setattr(store_module.time, "time", lambda: now[0])
+    monkeypatch.setattr(directory_store.time, "time", lambda: now[0])
     d = DirectoryStore(tmp_path, ttl_s=60)
     d.save("s", session(1, blob=b"x"), expected_generation=None)
     now[0] += 59
