@@ -5,9 +5,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from agent_adapters.client import ChainKVError, RetryPolicy, StreamDiverged, _Attempts, _Resume, build_turn_request
 from agent_adapters.ledger import SessionLedger, session_id_for
 from agent_adapters.messages import ChatMessage, TextDelta, ToolCall, TurnResult, Usage
+from agent_adapters.retry import ChainKVError, RetryPolicy, StreamDiverged, _Attempts
+from agent_adapters.turns import _Resume, build_turn_request
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 
 
