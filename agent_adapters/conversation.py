@@ -17,9 +17,10 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 
 import grpc
 
-from agent_adapters.client import METHOD_FIELDS, AsyncChainKVClient, ChainKVClient, ChainKVError, RetryPolicy
+from agent_adapters.client import AsyncChainKVClient, ChainKVClient, ChainKVError, RetryPolicy
 from agent_adapters.ledger import Plan, SessionLedger
 from agent_adapters.messages import ChatMessage, ToolSpec, TurnEvent, TurnResult
+from agent_adapters.turns import METHOD_FIELDS
 
 
 TURN_SETTINGS = (

@@ -5,9 +5,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from agent_adapters.client import ChainKVError, RetryPolicy, StreamDiverged, _Attempts, _Resume, build_turn_request
 from agent_adapters.ledger import SessionLedger, session_id_for
 from agent_adapters.messages import ChatMessage, TextDelta, ToolCall, TurnResult, Usage
+from agent_adapters.retry import ChainKVError, RetryPolicy, StreamDiverged, _Attempts
+from agent_adapters.turns import _Resume, build_turn_request
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 
 
@@ -169,3 +170,27 @@ def test_chatchainkv_takes_its_bearer_token_as_api_key_too_and_keeps_it_out_of_i
         assert llm.conversations.token == "s3cret"  # what the client sends as the bearer token
         assert "s3cret" not in repr(llm)
     assert ChatChainKV().conversations.token is None
+
+
+def test_both_clients_open_a_tls_channel_with_the_ca_and_a_plain_one_without(tmp_path, monkeypatch):
+    from unittest import mock
+
+    from agent_adapters.client import AsyncChainKVClient, ChainKVClient
+
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(b"CA BYTES")
+    seen = []
+    monkeypatch.setattr(grpc, "ssl_channel_credentials", lambda root: ("creds", root))
+    for channels in (grpc, grpc.aio):
+        monkeypatch.setattr(
+            channels,
+            "secure_channel",
+            lambda target, creds, options, m=channels: seen.append((m, target, creds)) or mock.Mock(),
+        )
+    sync_client = ChainKVClient("h:1", tls_ca=str(ca), token="t")
+    async_client = AsyncChainKVClient("h:2", tls_ca=str(ca))
+    assert seen == [(grpc, "h:1", ("creds", b"CA BYTES")), (grpc.aio, "h:2", ("creds", b"CA BYTES"))]
+    assert sync_client.metadata == (("authorization", "Bearer t"),) and async_client.metadata == ()
+    plain = ChainKVClient("h:3", max_message_bytes=123)
+    assert isinstance(plain.channel, grpc.Channel) and plain.stub is not None
+    plain.close()
