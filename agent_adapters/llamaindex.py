@@ -43,7 +43,7 @@ from llama_index.core.base.llms.types import (
     TextBlock,
     ToolCallBlock,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
@@ -136,7 +136,15 @@ class ChainKVLLM(FunctionCallingLLM):
 
     target: str = Field(default="127.0.0.1:50051", description="The sidecar's address.")
     session_id: str | None = Field(default=None, description="Conversation key: the sidecar session to continue.")
-    token: str | None = Field(default=None, description="Bearer token, when the sidecar has auth on.")
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
+
+    token: SecretStr | None = Field(
+        default=None,
+        alias="api_key",
+        exclude=True,
+        description="Bearer token, when the sidecar has auth on (also ``api_key=``, OpenAILike's name); kept "
+        "out of the repr and of to_dict/to_json.",
+    )
     tls_ca: str | None = Field(default=None)
     timeout_s: float | None = Field(default=300.0, description="Deadline of one call, retries included.")
     max_retries: int = Field(default=3)

@@ -172,6 +172,16 @@ def test_chatchainkv_takes_its_bearer_token_as_api_key_too_and_keeps_it_out_of_i
     assert ChatChainKV().conversations.token is None
 
 
+def test_chainkvllm_takes_its_bearer_token_as_api_key_too_and_keeps_it_out_of_its_repr_and_json():
+    pytest.importorskip("llama_index.core")
+    from agent_adapters.llamaindex import ChainKVLLM
+
+    for llm in (ChainKVLLM(api_key="s3cret"), ChainKVLLM(token="s3cret")):
+        assert llm.conversations.token == "s3cret"
+        assert "s3cret" not in repr(llm) and "s3cret" not in llm.to_json()
+    assert ChainKVLLM().conversations.token is None
+
+
 def test_both_clients_open_a_tls_channel_with_the_ca_and_a_plain_one_without(tmp_path, monkeypatch):
     from unittest import mock
 
