@@ -184,3 +184,42 @@ def test_chat_completions_without_a_cache_key_resume_after_a_restart(tiny_chat_d
         assert _chat_keys(second) == {key: 2}
     finally:
         second.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_with_durability_sync_resolve_after_the_replica_stops_writing(tiny_chat_dir, tmp_path, stream):
+    """Durability sync: a response the client got is in the store with its turn, before the reply is sent.
+    Right after each response the replica's store stops taking writes (as if it had died there), and a
+    second replica on the same store retrieves that response and continues from it."""
+    from engine.config import EngineConfig
+    from engine.llm import LLMEngine
+    from sidecar.store import DirectoryStore, open_store
+    from sidecar.store_errors import StoreUnavailable
+
+    class DiesAfterTheReply(DirectoryStore):
+        frozen = False
+
+        def save(self, key, stored, expected_generation):
+            if self.frozen:
+                raise StoreUnavailable("this replica is gone")
+            return super().save(key, stored, expected_generation)
+
+    def engine():
+        return LLMEngine(EngineConfig(model=tiny_chat_dir, num_pages=2000, prefill_chunk_size=128, max_model_len=4096))
+
+    folder = tmp_path / "sessions"
+    dying = DiesAfterTheReply(folder)
+    first = Live(engine(), dying, durability="sync", flush_timeout_s=0.5, snapshot_retry_max_s=0.1)
+    second = None
+    try:
+        r1 = _respond(first.client(), stream, model=first.model, input="Name a colour.", max_output_tokens=8)
+        dying.frozen = True
+        second = Live(engine(), open_store(str(folder)), durability="sync")
+        c = second.client()
+        assert c.responses.retrieve(r1.id).output_text == r1.output_text
+        r2 = _respond(c, stream, model=second.model, input="Another.", previous_response_id=r1.id, max_output_tokens=8)
+        assert r2.usage.input_tokens_details.cached_tokens >= r1.usage.input_tokens + r1.usage.output_tokens - 1
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()

@@ -186,7 +186,7 @@ class Responses:
             "parallel_tool_calls": False,
         }
         run = _Run(self, authorization, req, key, echo, ephemeral=not store and prev is None and conv_id is None)
-        turn = b.turn(authorization, req)
+        turn = b.turn(authorization, req, run.on_complete)
         if stream:
             try:
                 first = await anext(turn)  # an error before the first token still gets its HTTP status
@@ -236,6 +236,10 @@ class _Run:
         self.output: list[dict] = []
         self.seq = 0
         self.final: dict | None = None
+        self.message: dict | None = None
+        """The output message being streamed (None between items)."""
+        self.closing: list[str] = []
+        """The events that close the last message, made with the final response."""
 
     def response(self, status: str, completion: pb.TurnCompletion | None = None) -> dict:
         body = dict(
@@ -272,40 +276,41 @@ class _Run:
         """SSE text of the Responses API's events, while the output items are built."""
         yield self.event("response.created", response=self.response("in_progress"))
         yield self.event("response.in_progress", response=self.response("in_progress"))
-        message: dict | None = None
         async for ev in turn:
             if ev.HasField("delta") and ev.delta.text:
-                if message is None:
-                    message = {
+                if self.message is None:
+                    self.message = {
                         "id": "msg_" + uuid.uuid4().hex,
                         "type": "message",
                         "role": "assistant",
                         "status": "in_progress",
                         "content": [],
                     }
-                    yield self.event("response.output_item.added", output_index=len(self.output), item=dict(message))
-                    self.output.append(message)
+                    yield self.event(
+                        "response.output_item.added", output_index=len(self.output), item=dict(self.message)
+                    )
+                    self.output.append(self.message)
                     yield self.event(
                         "response.content_part.added",
-                        item_id=message["id"],
+                        item_id=self.message["id"],
                         output_index=len(self.output) - 1,
                         content_index=0,
                         part={"type": "output_text", "text": "", "annotations": []},
                     )
-                    message["content"] = [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]
-                message["content"][0]["text"] += ev.delta.text
+                    self.message["content"] = [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]
+                self.message["content"][0]["text"] += ev.delta.text
                 yield self.event(
                     "response.output_text.delta",
-                    item_id=message["id"],
+                    item_id=self.message["id"],
                     output_index=len(self.output) - 1,
                     content_index=0,
                     delta=ev.delta.text,
                     logprobs=[],
                 )
             elif ev.HasField("tool_call"):
-                for e in self._close(message):
+                for e in self._close(self.message):
                     yield e
-                message = None
+                self.message = None
                 t = ev.tool_call
                 item = {
                     "id": "fc_" + uuid.uuid4().hex,
@@ -333,14 +338,21 @@ class _Run:
                     name=t.name,
                 )
                 yield self.event("response.output_item.done", output_index=idx, item=dict(item))
-            elif ev.HasField("completion"):
-                for e in self._close(message):
+            elif ev.HasField("completion"):  # on_complete made the final response
+                for e in self.closing:
                     yield e
-                c = ev.completion
-                status = "incomplete" if c.finish_reason == pb.FINISH_REASON_LENGTH else "completed"
-                self.final = self.response(status, c)
-                self._record(self.final)
-                yield self.event(f"response.{status}", response=self.final)
+                yield self.event(f"response.{self.final['status']}", response=self.final)
+
+    def on_complete(self, session, completion: pb.TurnCompletion) -> None:
+        """The turn runner's hook, called when the turn finished and before its snapshot is taken (every
+        output item has been streamed by then): the final response, kept with the session, so it travels
+        with the turn's own snapshot (durability sync: committed before the reply is sent, so a
+        response the client got resolves on any replica even if this one dies right after)."""
+        self.closing = self._close(self.message)
+        self.message = None
+        status = "incomplete" if completion.finish_reason == pb.FINISH_REASON_LENGTH else "completed"
+        self.final = self.response(status, completion)
+        self._record(session, self.final)
 
     def _close(self, message: dict | None):
         if message is None:
@@ -367,11 +379,8 @@ class _Run:
             self.event("response.output_item.done", output_index=idx, item=dict(message)),
         ]
 
-    def _record(self, final: dict) -> None:
-        """Keep the response with its session (no await: the snapshot the turn just queued carries it)."""
-        s = self.owner.backend.local(self.key)
-        if s is None:
-            return
+    def _record(self, s, final: dict) -> None:
+        """Keep the response with its session (``Session.front``, saved with its snapshots)."""
         stored = s.front.setdefault("responses", {})
         if self.echo["store"]:
             stored[self.id] = final
