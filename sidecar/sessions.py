@@ -105,6 +105,11 @@ class Session:
     front: dict = field(default_factory=dict)
     """State a front end keeps with the session (the HTTP front: its transcript digest and response
     records); msgpack-able, it travels with the snapshot."""
+    front_changes: int = 0
+    """Changes made to ``front`` between turns (a deleted response): each makes a snapshot pending
+    although the engine's generation did not move (``front_changed``)."""
+    committed_front_changes: int = 0
+    """``front_changes`` as of the last snapshot written."""
     ends_with_eot: bool = False
     """The history ends with the end-of-turn token (the last reply closed its turn)."""
     records: "OrderedDict[str, bytes]" = field(default_factory=OrderedDict)
@@ -126,8 +131,16 @@ class Session:
         return (
             self.in_engine
             and not self.stale
-            and (self.committed_generation is None or self.committed_generation < self.generation)
+            and (
+                self.committed_generation is None
+                or self.committed_generation < self.generation
+                or self.committed_front_changes < self.front_changes
+            )
         )
+
+    def front_changed(self) -> None:
+        """``front`` changed outside a turn: the store must get it too (at the same generation)."""
+        self.front_changes += 1
 
     def app_meta(self) -> dict[str, Any]:
         """What the sidecar keeps about the session beside the engine's record."""

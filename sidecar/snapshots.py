@@ -161,6 +161,7 @@ class SnapshotWriter:
             except (SessionBusy, SessionNotFound):
                 return  # a turn started since (its end marks the session dirty again), or it ended
             generation = int(snap.meta["generation"])
+            front_changes = session.front_changes  # what app_meta below carries
             stored = await asyncio.to_thread(split_snapshot, snap, session.app_meta())
             expected = session.committed_generation
             for attempt in range(2):
@@ -192,6 +193,7 @@ class SnapshotWriter:
                     self._failed(key, "refused")
                     return
             session.committed_generation = generation
+            session.committed_front_changes = front_changes
             session.snapshot_error = None
             self.writes += 1
             if self.hooks is not None:

@@ -223,3 +223,43 @@ def test_responses_with_durability_sync_resolve_after_the_replica_stops_writing(
         first.stop()
         if second is not None:
             second.stop()
+
+
+@pytest.mark.parametrize("durability", ["async", "sync"])
+def test_a_deleted_response_is_gone_from_the_store_too(tiny_chat_dir, tmp_path, durability):
+    """``DELETE /v1/responses/{id}`` changes only the session's front metadata, not its KV: the snapshot
+    is written at the same generation (durability sync: before the DELETE is answered), so a restarted
+    replica on the same store does not find the response either."""
+    import openai
+
+    from engine.config import EngineConfig
+    from engine.llm import LLMEngine
+    from sidecar.store import open_store
+
+    def server():
+        engine = LLMEngine(
+            EngineConfig(model=tiny_chat_dir, num_pages=2000, prefill_chunk_size=128, max_model_len=4096)
+        )
+        return Live(engine, open_store(str(tmp_path / "sessions")), durability=durability)
+
+    first = server()
+    try:
+        c = first.client()
+        kept = c.responses.create(model=first.model, input="Name a colour.", max_output_tokens=8)
+        gone = c.responses.create(
+            model=first.model, input="Another.", previous_response_id=kept.id, max_output_tokens=8
+        )
+        _flush(first)
+        c.responses.delete(gone.id)
+        if durability == "async":
+            _flush(first)
+        second = server()
+    finally:
+        first.stop()
+    try:
+        c = second.client()
+        with pytest.raises(openai.NotFoundError):
+            c.responses.retrieve(gone.id)
+        assert c.responses.retrieve(kept.id).output_text == kept.output_text
+    finally:
+        second.stop()

@@ -97,8 +97,19 @@ class SessionBackend:
         except SessionNotFound:
             pass
 
-    def mark_dirty(self, key: str) -> None:
-        self.server.mark_dirty(key)
+    async def front_changed(self, s: Session) -> None:
+        """``s.front`` changed between turns (a deleted response): the store gets it at the session's
+        generation; with durability sync before this returns (StoreUnavailable if it could not be
+        written), else behind it. A running turn's own snapshot carries it instead."""
+        from sidecar.store_errors import StoreUnavailable
+
+        s.front_changed()
+        if self.server.options.durability != "sync" or s.busy:
+            self.server.mark_dirty(s.key)
+            return
+        await self.server.write_now(s.key)
+        if s.snapshot_pending:
+            raise StoreUnavailable(f"the change was not written to the store ({s.snapshot_error}); retry")
 
     # --- the transcript index in the store -----------------------------------------------------------
     def stored_transcripts(self, front_key: str, turn_key: str) -> StoredTranscripts | None:

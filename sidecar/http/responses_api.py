@@ -219,11 +219,11 @@ class Responses:
         return (await self._stored(resp_id, authorization))[2]
 
     async def delete(self, resp_id: str, authorization: str | None) -> dict:
-        key, s, _ = await self._stored(resp_id, authorization)
+        _, s, _ = await self._stored(resp_id, authorization)
         s.front["responses"].pop(resp_id, None)
         if s.front.get("latest_response") == resp_id:
             s.front["latest_response"] = None
-        self.backend.mark_dirty(key)
+        await self.backend.front_changed(s)
         return {"id": resp_id, "object": "response.deleted", "deleted": True}
 
 
