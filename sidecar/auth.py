@@ -2,7 +2,7 @@
 
 With no tokens configured every caller is the anonymous tenant ``""`` (auth off). With tokens,
 every Sidecar call must carry a known token (UNAUTHENTICATED otherwise); the token's tenant
-scopes the caller's session ids (``sidecar.sessions.scoped_key``). The health and reflection
+scopes the caller's session ids (``sidecar.session_ids.scoped_key``). The health and reflection
 services stay open, so probes need no token.
 
 A token file has one ``TOKEN TENANT`` pair per line (``#`` comments and blank lines ignored);
@@ -15,7 +15,7 @@ import hmac
 from pathlib import Path
 from typing import Iterable
 
-from sidecar.sessions import BadSessionId, check_id
+from sidecar.session_ids import BadSessionId, check_id
 
 
 class Unauthenticated(PermissionError):

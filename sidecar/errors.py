@@ -24,7 +24,7 @@ from sidecar.engine_client import EngineFailed
 from sidecar.integrity import SnapshotRejected
 from sidecar.limits import QuotaExceeded, TurnTooLarge
 from sidecar.protocol import InvalidRequest
-from sidecar.sessions import BadSessionId
+from sidecar.session_ids import BadSessionId
 from sidecar.store import SnapshotRolledBack, StoreUnavailable
 
 

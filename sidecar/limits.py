@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sidecar.sessions import Session
+    from sidecar.session_record import Session
 
 
 class QuotaExceeded(RuntimeError):

@@ -19,7 +19,8 @@ from engine.sampling import SamplingError, SamplingParams
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.chat import ROLES, ChatError, ToolSpec, tool_from_json
 from sidecar.engine_results import PruneRecord, SessionInfo
-from sidecar.sessions import BadSessionId, Session, check_id
+from sidecar.session_ids import BadSessionId, check_id
+from sidecar.session_record import Session
 from sidecar.limits import TurnTooLarge
 from sidecar.validation import JsonTooDeep, check_turn_bytes, loads_bounded
 from sidecar.structured import OutputSpec, OutputSpecError

@@ -32,7 +32,9 @@ from sidecar.hooks import ServerHooks
 from sidecar.logs import bind_request
 from sidecar.options import ServerOptions
 from sidecar.protocol import InvalidRequest, session_proto, stored_session_proto
-from sidecar.sessions import BadSessionId, Session, SessionManager, check_id, scoped_key
+from sidecar.session_ids import BadSessionId, check_id, scoped_key
+from sidecar.session_record import Session
+from sidecar.sessions import SessionManager
 from sidecar.store import SessionStore
 from sidecar.turns import TurnRunner
 

@@ -1,9 +1,7 @@
 """SessionManager: session id -> the engine's chain, per-session ordering, idempotency, the store.
 
-Session keys. A client's session id (1-128 characters of ``[A-Za-z0-9._:@+=~-]``, not only dots: no
-braces, so it cannot break the Redis hash tag, and no ``/``) is scoped by its tenant: the engine and the store
-see ``<tenant>/<session id>``, or the bare id when auth is off. Tenants never see each other's
-sessions.
+Session keys (tenant-scoped ids) are ``sidecar.session_ids``; the per-session record the manager
+keeps (``Session``, ``Running``) is ``sidecar.session_record``.
 
 Ordering. One turn runs on a session at a time: ``begin_turn`` takes the session (a second Turn,
 a prune or a fork meanwhile gets ABORTED) and ``end_turn`` releases it. Loading a session from the
@@ -25,149 +23,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 import weakref
-from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from engine.chain import SessionBusy, SessionError, SessionNotFound, TurnIndexMismatch
 from engine.lifecycle import MethodError
 from sidecar.engine_client import EngineClient
 from sidecar.engine_results import SessionInfo
+from sidecar.session_record import Running, Session, recorded_in
 from sidecar.snapshot_codec import join_snapshot
 from sidecar.store import SessionStore, StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
-SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:@+=~-]{1,128}")
-MAX_ID_LEN = 128
-
-
-class BadSessionId(ValueError):
-    pass
-
 
 class StoreBehind(StoreUnavailable):
     """The store does not hold the turn the client expects yet (its snapshot may be in flight)."""
-
-
-def check_id(value: str, what: str = "session_id") -> str:
-    if not value:
-        raise BadSessionId(f"{what} is empty")
-    if len(value) > MAX_ID_LEN:
-        raise BadSessionId(f"{what} is {len(value)} characters long; at most {MAX_ID_LEN}")
-    if not SESSION_ID_RE.fullmatch(value):
-        raise BadSessionId(f"{what} {value!r} has characters outside [A-Za-z0-9._:@+=~-]")
-    if not value.strip("."):
-        raise BadSessionId(f"{what} {value!r} is only dots (it would name a folder such as . or ..)")
-    return value
-
-
-def scoped_key(tenant: str, session_id: str) -> str:
-    """The engine / store key of a tenant's session."""
-    check_id(session_id)
-    return f"{tenant}/{session_id}" if tenant else session_id
-
-
-@dataclass
-class Running:
-    """The turn running on a session."""
-
-    request_id: str
-    done: asyncio.Future
-    """Resolves to the recorded completion bytes, or None when the turn did not finish."""
-    settling: bool = False
-    """Its caller is gone (cancelled, deadline) and the turn is being rolled back: the session is
-    about to be released, so a request for it waits (``get_settled``) instead of being refused."""
-    digest: str = ""
-    """The request's content digest (sidecar.validation.request_digest)."""
-
-
-@dataclass
-class Session:
-    key: str
-    in_engine: bool = False
-    """The engine holds its chain (False only before a new session's first turn starts)."""
-    generation: int = 0
-    turn_index: int = 0
-    committed_generation: int | None = None
-    """The generation the store holds for it (loaded or last written); None: none written."""
-    snapshot_error: str | None = None
-    stale: bool = False
-    """Another replica committed a newer generation: the next request reloads it from the store."""
-    source_tier: str | None = None
-    """Where this replica got the session: new, store or recompute."""
-    tools_digest: str = ""
-    tools: list = field(default_factory=list)
-    """The tools of its first turn (``ToolSpec.openai`` dicts): what a forced tool call may call."""
-    front: dict = field(default_factory=dict)
-    """State a front end keeps with the session (the HTTP front: its transcript digest and response
-    records); msgpack-able, it travels with the snapshot."""
-    front_changes: int = 0
-    """Changes made to ``front`` between turns (a deleted response): each makes a snapshot pending
-    although the engine's generation did not move (``front_changed``)."""
-    committed_front_changes: int = 0
-    """``front_changes`` as of the last snapshot written."""
-    ends_with_eot: bool = False
-    """The history ends with the end-of-turn token (the last reply closed its turn)."""
-    records: "OrderedDict[str, bytes]" = field(default_factory=OrderedDict)
-    request_digests: dict[str, str] = field(default_factory=dict)
-    """request_id -> the digest of the request it named (a reuse for other content is refused)."""
-    running: Running | None = None
-    created_at: float = field(default_factory=time.time)
-    last_used: float = field(default_factory=time.monotonic)
-    store_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    """Held while the session's snapshot is written or deleted (an ended session stays deleted)."""
-    ended: bool = False
-
-    @property
-    def busy(self) -> bool:
-        return self.running is not None
-
-    @property
-    def snapshot_pending(self) -> bool:
-        return (
-            self.in_engine
-            and not self.stale
-            and (
-                self.committed_generation is None
-                or self.committed_generation < self.generation
-                or self.committed_front_changes < self.front_changes
-            )
-        )
-
-    def front_changed(self) -> None:
-        """``front`` changed outside a turn: the store must get it too (at the same generation)."""
-        self.front_changes += 1
-
-    def app_meta(self) -> dict[str, Any]:
-        """What the sidecar keeps about the session beside the engine's record."""
-        return {
-            "tools_digest": self.tools_digest,
-            "tools": self.tools,
-            "front": self.front,
-            "created_at": self.created_at,
-            "requests": [[rid, blob] for rid, blob in self.records.items()],
-            "request_digests": {rid: self.request_digests[rid] for rid in self.records if rid in self.request_digests},
-        }
-
-    def load_app_meta(self, app: dict[str, Any]) -> None:
-        self.tools_digest = app.get("tools_digest", "")
-        self.tools = list(app.get("tools") or [])
-        self.front = dict(app.get("front") or {})
-        self.created_at = app.get("created_at", self.created_at)
-        self.records = OrderedDict((rid, bytes(blob)) for rid, blob in app.get("requests", []))
-        digests = app.get("request_digests") or {}
-        self.request_digests = {str(k): str(v) for k, v in digests.items()} if isinstance(digests, dict) else {}
-
-    def update(self, info: SessionInfo, end_of_turn_id: int | None) -> None:
-        """Refresh from the engine's view of the session."""
-        self.generation = info.generation
-        self.turn_index = info.turn_index
-        self.ends_with_eot = end_of_turn_id is not None and info.last_token == end_of_turn_id
-        self.last_used = time.monotonic()
 
 
 class SessionManager:
@@ -481,18 +353,4 @@ class SessionManager:
         return len(victims)
 
 
-def recorded_in(app: dict[str, Any], request_id: str) -> bool:
-    """Does a stored session's sidecar metadata record a finished turn under ``request_id``?"""
-    return any(rid == request_id for rid, *_ in app.get("requests", []))
-
-
-__all__ = [
-    "BadSessionId",
-    "Running",
-    "Session",
-    "SessionError",
-    "SessionManager",
-    "StoreBehind",
-    "check_id",
-    "scoped_key",
-]
+__all__ = ["SessionError", "SessionManager", "StoreBehind"]

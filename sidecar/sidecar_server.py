@@ -25,7 +25,8 @@ from sidecar.engine_client import EngineClient
 from sidecar.hooks import ServerHooks
 from sidecar.options import ServerOptions
 from sidecar.service import SidecarService
-from sidecar.sessions import Session, SessionManager
+from sidecar.session_record import Session
+from sidecar.sessions import SessionManager
 from sidecar.snapshots import SnapshotWriter
 from sidecar import transcript_index
 from sidecar.store import SessionStore, StoreUnavailable

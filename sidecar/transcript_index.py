@@ -33,7 +33,7 @@ from pathlib import Path
 
 import msgpack
 
-from sidecar.sessions import BadSessionId, check_id
+from sidecar.session_ids import BadSessionId, check_id
 from sidecar.store import DirectoryStore, RedisStore, SessionStore, StoredSession
 from sidecar.store_errors import StoreError, StoreUnavailable
 
@@ -60,7 +60,7 @@ class Found:
 
 
 def tenant_of(key: str) -> str:
-    """The tenant of a scoped session key (``sidecar.sessions.scoped_key``)."""
+    """The tenant of a scoped session key (``sidecar.session_ids.scoped_key``)."""
     return key.rpartition("/")[0]
 
 

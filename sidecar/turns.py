@@ -38,7 +38,9 @@ from sidecar.errors import SequenceFailed, TurnAborted
 from sidecar.hooks import ServerHooks
 from sidecar.limits import QuotaExceeded, TenantLimits
 from sidecar.protocol import FINISH, TIERS, Limits, TurnArgs, parse_turn, tool_call_proto
-from sidecar.sessions import Running, Session, SessionManager, scoped_key
+from sidecar.session_ids import scoped_key
+from sidecar.session_record import Running, Session
+from sidecar.sessions import SessionManager
 from sidecar.structured import tools_from_meta
 from sidecar.tool_calls import PlainText, ToolCallParser
 from sidecar.validation import check_same_request, request_digest

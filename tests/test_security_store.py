@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sidecar.integrity import SnapshotKeys, SnapshotRejected
-from sidecar.sessions import BadSessionId, Session, check_id, scoped_key
+from sidecar.session_ids import BadSessionId, check_id, scoped_key
+from sidecar.session_record import Session
 from sidecar.snapshots import SnapshotWriter, store_regressed
 from sidecar.store import DirectoryStore, GenerationConflict, RedisStore, SnapshotRolledBack, StoredSession, folder_name
 

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.server import Draining
-from sidecar.sessions import Session, scoped_key
+from sidecar.session_ids import scoped_key
+from sidecar.session_record import Session
 from sidecar.transcript_index import Found, StoredTranscripts
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.http import requests as rq
 from sidecar.http.backend import SessionBackend, prepend
 from sidecar.http.errors import OpenAIError, from_exception, invalid
-from sidecar.sessions import BadSessionId, check_id
+from sidecar.session_ids import BadSessionId, check_id
 
 MAX_STORED = 32
 """Responses kept per session for GET (the oldest are dropped)."""

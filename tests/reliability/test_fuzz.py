@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
-from sidecar.sessions import SESSION_ID_RE
+from sidecar.session_ids import SESSION_ID_RE
 
 from tests.sidecar_proc import serving
 
