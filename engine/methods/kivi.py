@@ -9,7 +9,7 @@ paper's G = 32); a page is quantized ("sealed") once it is full and all its toke
 ``residual_length`` tokens old, so the last R to R + page_size - 1 tokens of every head are
 attended exactly (KIVI keeps its last R values exact, and keys until a group of them fills).
 Attention reads dequantized K/V. Nothing is evicted: every token stays, in fewer bits. Scales and
-zero points are float16; the pages live in the ``kivi`` page format (engine/cache/formats.py).
+zero points are float16; the pages live in the ``kivi`` page format (engine/cache/format_kivi.py).
 The paper's defaults: 2 bits, group size G = 32, residual length R = 128.
 
 Prefill: a chunk attends its own K/V in full precision and the earlier chunks as stored (the
