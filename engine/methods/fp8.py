@@ -3,7 +3,7 @@
 Paper: Micikevicius et al., "FP8 Formats for Deep Learning" (2022); FP8 KV caches as in vLLM /
 TensorRT-LLM ("fp8_e4m3" KV cache with scales).
 Rule: every token's K and V (per kv-head) are scaled by absmax / the format's largest value
-(448 for e4m3, 57344 for e5m2) and stored as float8 codes with the float32 scale; attention reads
+(448 for e4m3, 57344 for e5m2) and stored as float8 codes with a float16 scale; attention reads
 them dequantized. Nothing is evicted. Each token is self-contained, so eviction and pruning move
 tokens without loss. The pages live in the ``fp8`` page format (engine/cache/format_fp8.py).
 
