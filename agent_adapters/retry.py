@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from agent_adapters.client import _Base
 
 BUSY_DETAILS = "a turn is already running"
-"""How the sidecar's ABORTED for a busy session begins (sidecar/sessions.py SessionBusy)."""
+"""How the sidecar's ABORTED for a busy session begins (engine/chain/errors.py SessionBusy)."""
 
 
 class ChainKVError(Exception):
