@@ -26,6 +26,10 @@ from engine.sequence import PENDING, RequestOutput, Sequence, SeqStatus
 
 log = logging.getLogger(__name__)
 
+MAX_FAILED_PASSES = 3
+"""Forward passes in a row that may raise (their requests fail, the engine steps on) before the error
+stops the engine: a device that fails every pass is broken, and a supervisor should restart the server."""
+
 
 class StepLoop:
     def __init__(
@@ -53,6 +57,8 @@ class StepLoop:
         """A launched decode step whose tokens are not read yet."""
         self.grammar_masks = None
         """Structured output: ``(logits, matchers) -> None`` masking the constrained rows (set by the engine)."""
+        self.failed_passes = 0
+        """Forward passes in a row that raised (``MAX_FAILED_PASSES``)."""
         self.totals = {
             "decoded_tokens": 0,
             "finished_stop": 0,
@@ -91,15 +97,12 @@ class StepLoop:
             self.inflight = None
             batch.decode = [s for s in batch.decode if not s.finished]
         if not batch.empty:
-            chains = self.chains.chains
-            windows = {s.seq_id: c.queries for s in _seqs_of(batch) if (c := chains.get(s.seq_id)) and c.queries}
-            result = self.runner.execute(batch, windows)
-            for seq in _seqs_of(batch):
-                if seq.prefix_boundary:
-                    self.chains.after_step(seq)
-            for seq, _ in batch.prefill:  # after the prefix holders: they keep the whole prefix
-                if seq.num_cached == seq.num_tokens:  # the turn's input is in: a method may score it
-                    self.runner.scoring_pass(seq, self.tokenizer, self.config.prefill_chunk_size)
+            try:
+                result = self._forward(batch)
+            except Exception as e:  # the pass's requests fail; _fail_pass re-raises when it is fatal
+                touched += self._fail_pass(batch, e)
+                return [self.output(s) for s in touched]
+            self.failed_passes = 0
             for sid, rows in result.prompt_logits.items():
                 self.seqs[sid].prompt_logits.append(rows.cpu())
             matchers = [s.matcher for s in result.sampling]
@@ -126,6 +129,38 @@ class StepLoop:
                     seq.error = err
                     self.finish(seq, "failed")
         return [self.output(s) for s in touched]
+
+    def _forward(self, batch):
+        """The forward pass of ``batch`` and what follows it before sampling (prefix holders, scoring)."""
+        chains = self.chains.chains
+        windows = {s.seq_id: c.queries for s in _seqs_of(batch) if (c := chains.get(s.seq_id)) and c.queries}
+        result = self.runner.execute(batch, windows)
+        for seq in _seqs_of(batch):
+            if seq.prefix_boundary:
+                self.chains.after_step(seq)
+        for seq, _ in batch.prefill:  # after the prefix holders: they keep the whole prefix
+            if seq.num_cached == seq.num_tokens:  # the turn's input is in: a method may score it
+                self.runner.scoring_pass(seq, self.tokenizer, self.config.prefill_chunk_size)
+        return result
+
+    def _fail_pass(self, batch, error: Exception) -> list[Sequence]:
+        """A forward pass raised (out of memory, a kernel's error): every request in it fails, its turn
+        rolled back, and the engine steps on for the others. Re-raised (the engine stops) when the passes
+        keep failing (``MAX_FAILED_PASSES``) or when this engine is one rank of a tensor-parallel group,
+        whose other ranks are inside the same pass (the group must go down together)."""
+        from engine.distributed import group
+
+        self.failed_passes += 1
+        if group.active() or self.failed_passes >= MAX_FAILED_PASSES:
+            raise error
+        seqs = [s for s in _seqs_of(batch) if not s.finished]
+        log.error(
+            "a forward pass failed (%d in a row): failing its %d request(s): %r", self.failed_passes, len(seqs), error
+        )
+        for seq in seqs:
+            seq.error = f"the forward pass failed: {error!r}"
+            self.finish(seq, "failed")
+        return seqs
 
     def _overlap_ok(self) -> bool:
         """Can the next step run ahead of its predecessor's tokens? Steady greedy decoding only, without

@@ -6,6 +6,8 @@ on a tiny random model:
 * a failure injected into one sequence's sampling fails that request alone (finish "failed", its turn
   rolled back) while the other sessions in the batch finish exactly as they would alone, and the failed
   session takes its next turn;
+* a forward pass that raises fails the requests in it (their turns rolled back) and the engine steps on;
+  passes that keep failing stop it;
 * prefix sharing is partitioned by scope (the tenant): a session reuses a prefix of its own scope only;
   an explicitly public prefix is shared.
 """
@@ -157,6 +159,66 @@ def test_a_failure_processing_one_sequences_token_fails_it_alone(tiny_engine_con
         },
     )
     assert outs["bad"].finish_reason == "failed" and outs["good"].finish_reason in ("stop", "length")
+
+
+def test_a_failed_forward_pass_fails_its_requests_and_the_engine_steps_on(tiny_engine_config, monkeypatch):
+    """A pass that raises (out of memory, a kernel's error) fails the requests in it, their turns rolled back
+    (mid-prefill too), and nothing else: the sessions then continue exactly as if the failed turn had never
+    run, and every page comes back."""
+    first, second = list(range(10, 50)), list(range(60, 75))
+    long_prompt = list(range(100, 200))  # four prefill chunks of 32
+    greedy = SamplingParams(max_tokens=6)
+    ref = LLMEngine(tiny_engine_config)
+    run_turn(ref, "a", first, greedy)
+    expected = run_turn(ref, "a", second, greedy).token_ids
+    expected_b = run_turn(ref, "b", long_prompt, greedy).token_ids
+
+    eng = LLMEngine(tiny_engine_config)
+    free_at_start = eng.stats()["pages_free"]
+    run_turn(eng, "a", first, greedy)
+    real, calls = eng.loop.runner.execute, {"b": 0}
+
+    def faulty(batch, windows):
+        if any(s.seq_id == "b" for s, _ in batch.prefill):
+            calls["b"] += 1
+            if calls["b"] == 2:  # b's second chunk, with a's turn in the same pass
+                raise RuntimeError("injected: CUDA out of memory")
+        return real(batch, windows)
+
+    monkeypatch.setattr(eng.loop.runner, "execute", faulty)
+    outs = _run_together(eng, {"a": (second, greedy), "b": (long_prompt, greedy)})
+    assert outs["b"].finish_reason == "failed" and "injected" in outs["b"].error
+    failed = [sid for sid, o in outs.items() if o.finish_reason == "failed"]
+    assert eng.totals["finished_failed"] == len(failed) and eng.loop.failed_passes == 1
+    assert eng.session_info("a")["turn_index"] == (1 if "a" in failed else 2)
+    monkeypatch.setattr(eng.loop.runner, "execute", real)
+    if "a" in failed:  # rolled back: the same turn again gives the reference's tokens
+        assert run_turn(eng, "a", second, greedy).token_ids == expected
+    else:
+        assert outs["a"].token_ids == expected
+    assert run_turn(eng, "b", long_prompt, greedy).token_ids == expected_b
+    assert eng.loop.failed_passes == 0
+    for sid in ("a", "b"):
+        eng.end_session(sid)
+    assert eng.stats()["pages_free"] == free_at_start
+
+
+def test_forward_passes_that_keep_failing_stop_the_engine(tiny_engine_config, monkeypatch):
+    from engine.stepping import MAX_FAILED_PASSES
+
+    eng = LLMEngine(tiny_engine_config)
+
+    def broken(batch, windows):
+        raise RuntimeError("injected: device lost")
+
+    monkeypatch.setattr(eng.loop.runner, "execute", broken)
+    for i in range(MAX_FAILED_PASSES - 1):  # each pass fails its request; the engine steps on
+        eng.add_request(list(range(5, 20)), SamplingParams(max_tokens=2), request_id=f"r{i}")
+        (out,) = eng.step()
+        assert out.finished and out.finish_reason == "failed"
+    eng.add_request(list(range(5, 20)), SamplingParams(max_tokens=2), request_id="last")
+    with pytest.raises(RuntimeError, match="device lost"):
+        eng.step()
 
 
 def test_prefix_sharing_stays_within_its_scope(tiny_engine_config):
