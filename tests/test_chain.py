@@ -17,7 +17,7 @@ from engine.sampling import SamplingParams
 from tests.conftest import first_turn, haystack, next_turn, run_turn
 
 L, H, P = 30, 3, 16
-GREEDY = SamplingParams(max_tokens=10)
+GREEDY = SamplingParams(max_tokens=6)
 USER_TURNS = [
     "Hi! Who are you?",
     "What is 2 + 2?",

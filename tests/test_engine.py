@@ -120,12 +120,12 @@ def test_sampling_controls(smol_engine):
 
 def test_stop_token_string_and_length(smol_engine):
     prompt = chat(smol_engine, "Count from 1 to 20, separated by commas.")
-    full = smol_engine.generate([prompt], SamplingParams(max_tokens=30))[0]
+    full = smol_engine.generate([prompt], SamplingParams(max_tokens=24))[0]
     assert "5" in full.text
-    cut = smol_engine.generate([prompt], SamplingParams(max_tokens=30, stop=["5"]))[0]
+    cut = smol_engine.generate([prompt], SamplingParams(max_tokens=24, stop=["5"]))[0]
     assert cut.finish_reason == "stop" and "5" not in cut.text and full.text.startswith(cut.text)
     stop_id = full.token_ids[3]
-    by_id = smol_engine.generate([prompt], SamplingParams(max_tokens=30, stop_token_ids=[stop_id]))[0]
+    by_id = smol_engine.generate([prompt], SamplingParams(max_tokens=24, stop_token_ids=[stop_id]))[0]
     assert by_id.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1] and by_id.finish_reason == "stop"
     short = smol_engine.generate([prompt], SamplingParams(max_tokens=3))[0]
     assert short.finish_reason == "length" and len(short.token_ids) == 3
