@@ -29,8 +29,8 @@ EVICTION = sorted(n for n in REGISTRY if n not in ("dense",) and getattr(REGISTR
 # --- 1. a budget that holds the whole context changes nothing -------------------------------------
 def test_full_budget_equals_dense(smol_engine):
     prompt = chat(smol_engine, haystack(6) + " What color is item 3?")
-    params = SamplingParams(max_tokens=32, ignore_eos=True)
-    budget = len(prompt) + 32
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    budget = len(prompt) + params.max_tokens  # the whole context, prompt and reply, and not one token more
     ids = {"dense": smol_engine.add_request(prompt, params)}
     for name in EVICTION:
         ids[name] = smol_engine.add_request(prompt, params, method=MethodSpec(name, budget=budget))
@@ -41,7 +41,7 @@ def test_full_budget_equals_dense(smol_engine):
             if o.finished:
                 outs[o.request_id] = o.token_ids
     dense = outs[ids["dense"]]
-    assert len(dense) == 32
+    assert len(dense) == params.max_tokens
     for name in EVICTION:
         assert outs[ids[name]] == dense, name
     assert smol_engine.controller.evicted_tokens == evicted

@@ -256,9 +256,11 @@ LOOP_PROMPT = "Write a short story about a cat."
 
 def test_smollm2_repetition_penalty_equals_hf_generate(smol_engine, smollm2_hf):
     prompt = chat(smol_engine, LOOP_PROMPT)
-    out = smol_engine.generate([prompt], SamplingParams(max_tokens=40, repetition_penalty=1.3))[0]
+    # 16 tokens: the penalized greedy reply leaves the plain one at its 10th token, so a penalty that did
+    # nothing would fail here
+    out = smol_engine.generate([prompt], SamplingParams(max_tokens=16, repetition_penalty=1.3))[0]
     with torch.no_grad():
-        ref = smollm2_hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, repetition_penalty=1.3)[
+        ref = smollm2_hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, repetition_penalty=1.3)[
             0, len(prompt) :
         ].tolist()
     assert out.token_ids == ref[: len(out.token_ids)]
