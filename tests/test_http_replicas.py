@@ -153,20 +153,25 @@ def test_chat_completions_without_a_cache_key_resume_on_the_other_replica(replic
     assert _chat_keys(a)[key] == 3  # back on A: its older copy gave way to B's snapshot
 
 
+def _live_on_a_folder(tiny_chat_dir, folder, store=None, **options) -> Live:
+    """A replica with its own engine (tiny chat model) on the directory store ``folder`` (or ``store``):
+    a restarted server, or a second replica sharing the folder."""
+    from engine.config import EngineConfig
+    from engine.llm import LLMEngine
+    from sidecar.store import open_store
+
+    engine = LLMEngine(EngineConfig(model=tiny_chat_dir, num_pages=2000, prefill_chunk_size=128, max_model_len=4096))
+    return Live(engine, store if store is not None else open_store(str(folder)), **options)
+
+
 @pytest.mark.parametrize("durability", ["async", "sync"])
 def test_chat_completions_without_a_cache_key_resume_after_a_restart(tiny_chat_dir, tmp_path, durability):
     """The directory store: a restarted server (a fresh engine on the same folder) finds the session;
     with durability sync too (the turn's snapshot is written before its reply is sent, and carries
     the reply's transcript digest)."""
-    from engine.config import EngineConfig
-    from engine.llm import LLMEngine
-    from sidecar.store import open_store
 
     def server():
-        engine = LLMEngine(
-            EngineConfig(model=tiny_chat_dir, num_pages=2000, prefill_chunk_size=128, max_model_len=4096)
-        )
-        return Live(engine, open_store(str(tmp_path / "sessions")), durability=durability)
+        return _live_on_a_folder(tiny_chat_dir, tmp_path / "sessions", durability=durability)
 
     first = server()
     try:
@@ -191,9 +196,7 @@ def test_responses_with_durability_sync_resolve_after_the_replica_stops_writing(
     """Durability sync: a response the client got is in the store with its turn, before the reply is sent.
     Right after each response the replica's store stops taking writes (as if it had died there), and a
     second replica on the same store retrieves that response and continues from it."""
-    from engine.config import EngineConfig
-    from engine.llm import LLMEngine
-    from sidecar.store import DirectoryStore, open_store
+    from sidecar.store import DirectoryStore
     from sidecar.store_errors import StoreUnavailable
 
     class DiesAfterTheReply(DirectoryStore):
@@ -204,17 +207,16 @@ def test_responses_with_durability_sync_resolve_after_the_replica_stops_writing(
                 raise StoreUnavailable("this replica is gone")
             return super().save(key, stored, expected_generation)
 
-    def engine():
-        return LLMEngine(EngineConfig(model=tiny_chat_dir, num_pages=2000, prefill_chunk_size=128, max_model_len=4096))
-
     folder = tmp_path / "sessions"
     dying = DiesAfterTheReply(folder)
-    first = Live(engine(), dying, durability="sync", flush_timeout_s=0.5, snapshot_retry_max_s=0.1)
+    first = _live_on_a_folder(
+        tiny_chat_dir, folder, store=dying, durability="sync", flush_timeout_s=0.5, snapshot_retry_max_s=0.1
+    )
     second = None
     try:
         r1 = _respond(first.client(), stream, model=first.model, input="Name a colour.", max_output_tokens=8)
         dying.frozen = True
-        second = Live(engine(), open_store(str(folder)), durability="sync")
+        second = _live_on_a_folder(tiny_chat_dir, folder, durability="sync")
         c = second.client()
         assert c.responses.retrieve(r1.id).output_text == r1.output_text
         r2 = _respond(c, stream, model=second.model, input="Another.", previous_response_id=r1.id, max_output_tokens=8)
@@ -232,15 +234,8 @@ def test_a_deleted_response_is_gone_from_the_store_too(tiny_chat_dir, tmp_path, 
     replica on the same store does not find the response either."""
     import openai
 
-    from engine.config import EngineConfig
-    from engine.llm import LLMEngine
-    from sidecar.store import open_store
-
     def server():
-        engine = LLMEngine(
-            EngineConfig(model=tiny_chat_dir, num_pages=2000, prefill_chunk_size=128, max_model_len=4096)
-        )
-        return Live(engine, open_store(str(tmp_path / "sessions")), durability=durability)
+        return _live_on_a_folder(tiny_chat_dir, tmp_path / "sessions", durability=durability)
 
     first = server()
     try:
