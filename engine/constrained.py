@@ -7,8 +7,10 @@ The grammar is compiled once per distinct ``Constraint`` by xgrammar against the
 the turn reaches the engine thread). Each constrained sequence owns a ``GrammarMatcher``: before
 sampling, its row of the logits gets the matcher's token bitmask (every token that cannot continue
 the grammar goes to -inf, ``apply_masks``); after sampling, the matcher accepts the token
-(``advance``). Once the grammar is complete only the stop tokens (the engine's EOS ids) stay
-allowed, so the reply ends where the structure ends.
+(``advance``). Where the grammar forces the next text, only the first of its whole vocabulary tokens,
+longest first, stays allowed (``_force_whole_token``): forced text is written in tokens close to
+the model tokenizer's own split. Once the grammar is complete only the stop tokens (the engine's EOS
+ids) stay allowed, so the reply ends where the structure ends.
 """
 
 from __future__ import annotations
@@ -96,7 +98,14 @@ def _depth(value: Any) -> int:
 class GrammarBackend:
     """xgrammar against one tokenizer: compiles constraints (cached) and makes per-sequence matchers."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int], cache_size: int = 256):
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: set[int],
+        cache_size: int = 256,
+        forced_whole_tokens: bool = True,
+    ):
         try:
             import xgrammar as xgr
         except ImportError:
@@ -105,6 +114,8 @@ class GrammarBackend:
             ) from None
 
         self._xgr = xgr
+        self.forced_whole_tokens = forced_whole_tokens
+        """Text the grammar forces is written in whole vocabulary tokens (``_force_whole_token``)."""
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.info = xgr.TokenizerInfo.from_huggingface(
@@ -165,6 +176,8 @@ class GrammarBackend:
         bitmask = xgr.allocate_token_bitmask(len(logits), self.vocab_size)
         for i in rows:
             matchers[i].inner.fill_next_token_bitmask(bitmask, i)
+            if self.forced_whole_tokens:
+                _force_whole_token(bitmask[i], matchers[i])
         if logits.device.type != "cpu":
             bitmask = bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
@@ -189,6 +202,24 @@ class Matcher:
         ok = bool(self.inner.accept_token(token))
         self.rejected = not ok
         return ok
+
+
+def _force_whole_token(row: torch.Tensor, m: Matcher) -> None:
+    """Where the grammar forces the next text (a JSON key and its quotes and colon, a tool call's fixed
+    frame), allow only the first token of that text as xgrammar splits it into whole vocabulary tokens
+    (``find_jump_forward_tokens``: longest tokens first). Otherwise the mask lets the model spell the
+    forced text in any pieces (``"setup"`` as ``s``/``et``/``u``/``p``), token sequences it never saw in
+    training, which derail a small model. ``row``: the sequence's filled bitmask row (int32 words), kept
+    as it is when no text is forced or the token is not in it."""
+    tokens = m.inner.find_jump_forward_tokens()
+    if not tokens:
+        return
+    t = tokens[0]
+    word, bit = divmod(t, 32)
+    if word >= len(row) or not (int(row[word]) >> bit) & 1:
+        return
+    row.zero_()
+    row[word] = (1 << bit) - (1 << 32 if bit == 31 else 0)  # int32 words: bit 31 is the sign bit
 
 
 def _short(e: BaseException) -> str:

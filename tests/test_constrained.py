@@ -52,6 +52,65 @@ def test_json_schema_output_validates_greedy_and_sampled(engine):
         json.loads(free.text)
 
 
+def _allowed(engine, matcher) -> list[int]:
+    """The tokens ``matcher`` lets the next step sample (its row of apply_masks on zero logits)."""
+    import torch
+
+    logits = torch.zeros(1, engine.model_config.vocab_size)
+    engine.grammars.apply_masks(logits, [matcher])
+    return torch.isfinite(logits[0]).nonzero().flatten().tolist()
+
+
+def test_forced_text_is_written_in_whole_vocabulary_tokens(engine):
+    """Where the grammar forces text (a tool call's frame, a JSON key), the mask allows exactly one token:
+    the first of xgrammar's longest-token split of that text; a random model's reply then holds the frame
+    in those tokens. Without forced_whole_tokens some of those places allow the text's other spellings."""
+    c = Constraint.json_schema(SCHEMA, prefix="<tool_call>\n")
+    m = engine.grammars.matcher(c)
+    forced = m.inner.find_jump_forward_tokens()
+    spelled_otherwise = 0
+    for _ in forced:  # walk the forced prefix token by token
+        head = m.inner.find_jump_forward_tokens()[0]
+        assert _allowed(engine, m) == [head]
+        engine.grammars.forced_whole_tokens = False
+        try:
+            spelled_otherwise += len(_allowed(engine, m)) > 1
+        finally:
+            engine.grammars.forced_whole_tokens = True
+        assert m.advance(head)
+    assert spelled_otherwise > 0
+    out = engine.generate(
+        [_prompt(engine, "go")], SamplingParams(max_tokens=300, temperature=1.0, seed=1, constraint=c)
+    )[0]
+    assert out.token_ids[: len(forced)] == forced  # the whole forced prefix, token for token
+    if out.finish_reason == "stop":
+        jsonschema.validate(json.loads(out.text[len("<tool_call>\n") :]), SCHEMA)
+
+
+def test_a_forced_token_in_the_top_bit_of_its_bitmask_word():
+    """The bitmask's words are int32: a forced token whose bit is 31 sets the sign bit."""
+    import torch
+
+    from engine.constrained import _force_whole_token
+
+    class Forced:  # the one matcher method the function reads
+        def __init__(self, tokens):
+            self.inner = self
+            self.tokens = tokens
+
+        def find_jump_forward_tokens(self):
+            return self.tokens
+
+    for t in (31, 63, 32, 0):
+        row = torch.full((3,), -1, dtype=torch.int32)  # every token allowed
+        _force_whole_token(row, Forced([t, 5]))
+        allowed = [w * 32 + b for w in range(3) for b in range(32) if (int(row[w]) >> b) & 1]
+        assert allowed == [t]
+    row = torch.tensor([0b10, 0, 0], dtype=torch.int32)  # only token 1 allowed: a forced 5 is not applied
+    _force_whole_token(row, Forced([5]))
+    assert row.tolist() == [0b10, 0, 0]
+
+
 def test_json_object_and_affixes(engine):
     c = Constraint("json_object", prefix="<tool_call>\n", suffix="\n</tool_call>")
     o = engine.generate(
