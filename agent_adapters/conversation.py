@@ -20,23 +20,12 @@ import grpc
 from agent_adapters.client import AsyncChainKVClient, ChainKVClient, ChainKVError, RetryPolicy
 from agent_adapters.ledger import Plan, SessionLedger
 from agent_adapters.messages import ChatMessage, ToolSpec, TurnEvent, TurnResult
-from agent_adapters.turns import METHOD_FIELDS
+from agent_adapters.turns import METHOD_FIELDS, SAMPLING_FIELDS
 
 
-TURN_SETTINGS = (
-    "max_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "seed",
-    "stop",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "method",
-    "budget",
-    "budget_ratio",
-)
+NOT_MODEL_SETTINGS = ("ignore_eos", "method_args", "shared_prefix_messages")
+"""Client fields the framework models do not declare as settings (``method_args`` is passed on its own)."""
+TURN_SETTINGS = tuple(n for n in SAMPLING_FIELDS + METHOD_FIELDS if n not in NOT_MODEL_SETTINGS)
 """The sampling and method fields both framework models declare under the client's names."""
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sequence import PENDING, Sequence
+from engine.sequence import Sequence
 
 
 @dataclass
@@ -47,7 +47,8 @@ def uses_penalty(p) -> bool:
 
 
 def _token_tensor(ids: list[int], vocab: int, device: torch.device) -> torch.Tensor:
-    """``ids`` as a long tensor on ``device``, with placeholders and ids outside the vocabulary dropped."""
+    """``ids`` as a long tensor on ``device``, with ids outside the vocabulary dropped (run-ahead decode's
+    ``PENDING`` slots among them)."""
     t = torch.tensor(ids, dtype=torch.long)
     t = t[(t >= 0) & (t < vocab)] if len(ids) else t
     return t.to(device, non_blocking=True)
@@ -62,7 +63,7 @@ def _state(seq: Sequence, vocab: int, device: torch.device) -> PenaltyState:
         if seq.params.repetition_penalty != 1.0:
             prompt = seq.token_ids[: len(seq.token_ids) - n_out]
             prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-            prompt_seen[_token_tensor([t for t in prompt if t != PENDING], vocab, device)] = True
+            prompt_seen[_token_tensor(prompt, vocab, device)] = True
         st = PenaltyState(seq.turn_serial, torch.zeros(vocab, dtype=torch.float32, device=device), 0, prompt_seen)
         seq.penalty_state = st
     if st.counted < n_out:
