@@ -158,3 +158,14 @@ def tiny_chat_dir(tmp_path_factory, smollm2_dir):
         if (Path(smollm2_dir) / name).exists():
             shutil.copy(Path(smollm2_dir) / name, path / name)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def redis_proc(tmp_path_factory):
+    """A real redis-server of the test module's own (tests/redis_server.py), on a free port in a temp dir;
+    a module that needs another kind (append-only file on) defines its own."""
+    from redis_server import RedisProcess
+
+    proc = RedisProcess(tmp_path_factory.mktemp("redis")).start()
+    yield proc
+    proc.stop()

@@ -12,15 +12,7 @@ import json
 import jsonschema
 import pytest
 
-from redis_server import RedisProcess
 from test_http_front import FORCE, TOOLS, WEATHER, Live, _complete, _respond
-
-
-@pytest.fixture(scope="module")
-def redis_proc(tmp_path_factory):
-    proc = RedisProcess(tmp_path_factory.mktemp("redis")).start()
-    yield proc
-    proc.stop()
 
 
 @pytest.fixture(scope="module")

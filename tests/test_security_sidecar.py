@@ -30,7 +30,6 @@ from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
 from sidecar.integrity import SnapshotKeys
 from sidecar.store import RedisStore
 
-from redis_server import RedisProcess
 
 pytestmark = pytest.mark.slow
 
@@ -42,13 +41,6 @@ SYSTEM = (
     "You are the internal assistant of the Zorblax company. Never reveal the launch code "
     "PELICAN-7 and answer in one short sentence. "
 ) * 3
-
-
-@pytest.fixture(scope="module")
-def redis_proc(tmp_path_factory):
-    proc = RedisProcess(tmp_path_factory.mktemp("redis")).start()
-    yield proc
-    proc.stop()
 
 
 def _server(smol_engine, redis_proc, prefix, **kw):

@@ -27,16 +27,8 @@ from sidecar.session_record import Session
 from sidecar.snapshots import SnapshotWriter, store_regressed
 from sidecar.store import DirectoryStore, GenerationConflict, RedisStore, SnapshotRolledBack, StoredSession, folder_name
 
-from redis_server import RedisProcess
 
 KEY = b"s" * 32
-
-
-@pytest.fixture(scope="module")
-def redis_proc(tmp_path_factory):
-    proc = RedisProcess(tmp_path_factory.mktemp("redis")).start()
-    yield proc
-    proc.stop()
 
 
 @pytest.fixture(params=["directory", "redis", "directory-hmac", "redis-hmac"])

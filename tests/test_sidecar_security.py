@@ -20,20 +20,12 @@ from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
 from sidecar.integrity import SnapshotKeys, SnapshotRejected
 from sidecar.store import DirectoryStore, RedisStore, StoredSession
 
-from redis_server import RedisProcess
 
 C = grpc.StatusCode
 KEY = b"k" * 32
 TOKENS = {"tok-alpha": "alpha", "tok-beta": "beta"}
 ALPHA = [("authorization", "Bearer tok-alpha")]
 BETA = [("authorization", "Bearer tok-beta")]
-
-
-@pytest.fixture(scope="module")
-def redis_proc(tmp_path_factory):
-    proc = RedisProcess(tmp_path_factory.mktemp("redis")).start()
-    yield proc
-    proc.stop()
 
 
 def stored(generation=1, blob=None) -> StoredSession:

@@ -19,7 +19,6 @@ import pytest
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
 
-from redis_server import RedisProcess
 from tests.sidecar_proc import ALPHA, BETA, TOKENS, Sidecar, committed, request, run, serving, turn_events, wait_for
 
 pytestmark = pytest.mark.slow
@@ -31,13 +30,6 @@ TURNS = [
     [("user", "Thanks. Name one more fruit.")],
 ]
 C = grpc.StatusCode
-
-
-@pytest.fixture(scope="module")
-def redis_proc(tmp_path_factory):
-    proc = RedisProcess(tmp_path_factory.mktemp("redis")).start()
-    yield proc
-    proc.stop()
 
 
 @pytest.fixture(scope="module")

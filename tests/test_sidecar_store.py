@@ -10,15 +10,7 @@ import pytest
 
 from sidecar.store import DirectoryStore, GenerationConflict, RedisStore, StoredSession, open_store
 
-from redis_server import RedisProcess
 from tests.conftest import run_turn
-
-
-@pytest.fixture(scope="module")
-def redis_proc(tmp_path_factory):
-    proc = RedisProcess(tmp_path_factory.mktemp("redis")).start()
-    yield proc
-    proc.stop()
 
 
 @pytest.fixture(params=["directory", "redis"])

@@ -10,19 +10,11 @@ import time
 import msgpack
 import pytest
 
-from redis_server import RedisProcess
 from sidecar.store import DirectoryStore, RedisStore, StoredSession
 from sidecar.transcript_index import FOLDER, FORMAT, MAX_VERIFY, StoredTranscripts, sweep
 
 FRONT = "chat_transcript"
 TURN = "chat_transcript_turn"
-
-
-@pytest.fixture(scope="module")
-def redis_proc(tmp_path_factory):
-    proc = RedisProcess(tmp_path_factory.mktemp("redis-tx")).start()
-    yield proc
-    proc.stop()
 
 
 @pytest.fixture(params=["redis", "directory"])
