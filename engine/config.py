@@ -68,6 +68,9 @@ class EngineConfig:
     # --- sessions: chain cache, shared prefixes, pruning ---------------------------------------
     host_cache_gb: float = 4.0
     """Host RAM for idle sessions demoted from the GPU pool; past it they keep only their history."""
+    recall_host_gb: float = 8.0
+    """Host RAM for the cold tiers of ``<method>+recall`` sessions resident on the GPU (what their
+    methods evicted, kept recallable); past it newly evicted tokens are dropped for good."""
     prefix_sharing: bool = True
     """Store a shared system prompt / tool schema once (block-hash index, copy-on-write pages)."""
     prune_roles: list[str] = field(default_factory=lambda: ["tool"])
@@ -137,6 +140,10 @@ class EngineConfig:
             f"max_cached_seqs ({self.max_cached_seqs}) must be >= max_num_seqs ({self.max_num_seqs})",
         )
         _check(self.host_cache_gb >= 0, f"host_cache_gb must be >= 0, not {self.host_cache_gb}")
+        _check(
+            isinstance(self.recall_host_gb, (int, float)) and 0 <= self.recall_host_gb < 1 << 20,
+            f"recall_host_gb must be a finite number of GB >= 0, not {self.recall_host_gb}",
+        )
         if isinstance(self.prune_roles, str):
             self.prune_roles = [r.strip() for r in self.prune_roles.split(",") if r.strip()]
         try:

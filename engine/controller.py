@@ -33,6 +33,8 @@ from engine.lifecycle import (
     SparseMethod,
 )
 from engine.methods import create_method
+from engine.recall import STATE_PREFIX as RECALL_STATE
+from engine.recall import RecallResult, RecallTier
 
 SeqId = Hashable
 
@@ -53,9 +55,11 @@ def _overrides(method: SparseMethod, hook: str) -> bool:
 
 
 class SparseController:
-    def __init__(self, shape: ModelShape, manager: CacheManager):
+    def __init__(self, shape: ModelShape, manager: CacheManager, recall_host_bytes: int = 8 << 30):
         self.shape = shape
         self.manager = manager
+        self.recall = RecallTier(shape, manager, recall_host_bytes)
+        """The cold tier of ``<method>+recall`` sequences (engine/recall.py)."""
         self._instances: dict[tuple, SparseMethod] = {}
         self._method_of: dict[SeqId, SparseMethod] = {}
         self._protected: dict[SeqId, int] = {}
@@ -80,6 +84,8 @@ class SparseController:
         self._method_of[seq.seq_id] = method
         if seq.protected_len:
             self._protected[seq.seq_id] = seq.protected_len
+        if (settings := method.recall_settings()) is not None:
+            self.recall.admit(seq.seq_id, settings)
         method.on_admit(seq)
         return method
 
@@ -89,6 +95,7 @@ class SparseController:
     def release(self, seq_id: SeqId) -> None:
         method = self._method_of.pop(seq_id, None)
         self._protected.pop(seq_id, None)
+        self.recall.release(seq_id)
         if method is not None:
             method.release(seq_id)
 
@@ -98,12 +105,36 @@ class SparseController:
         if seq_id in self._protected:
             self._protected[child_id] = self._protected[seq_id]
         method.fork_state(seq_id, child_id)
+        self.recall.fork(seq_id, child_id)
 
     def state_dict(self, seq_id: SeqId) -> dict[str, Any]:
-        return self._method_of[seq_id].state_dict(seq_id)
+        """The method's state and the sequence's cold tier (host tensors, ``recall.*``)."""
+        return {**self._method_of[seq_id].state_dict(seq_id), **self.recall.state(seq_id)}
 
     def load_state_dict(self, seq_id: SeqId, state: Mapping[str, Any]) -> None:
-        self._method_of[seq_id].load_state_dict(seq_id, state)
+        """Tensors of the method's state go to the cache's device; the cold tier stays on the host."""
+        cold = {k: v for k, v in state.items() if k.startswith(RECALL_STATE)}
+        own = {
+            k: v.to(self.manager.device) if isinstance(v, torch.Tensor) else v
+            for k, v in state.items()
+            if not k.startswith(RECALL_STATE)
+        }
+        if own:
+            self._method_of[seq_id].load_state_dict(seq_id, own)
+        self.recall.load(seq_id, cold)
+
+    # --- recall (the cold tier of <method>+recall sequences) --------------------------------------
+    def recall_settings(self, seq_id: SeqId):
+        """The recall settings of ``seq_id``'s method (None: its evictions are not recallable)."""
+        method = self._method_of.get(seq_id)
+        return None if method is None else method.recall_settings()
+
+    def recall_now(self, seq_id: SeqId, num_tokens: int, queries: torch.Tensor) -> RecallResult:
+        """Recall what ``queries`` ``[L, n, Hq, D]`` attend to into ``seq_id``'s heads, within its
+        method's budget for ``num_tokens`` logical tokens."""
+        method = self._method_of[seq_id]
+        cap = method.kept_tokens(num_tokens) if method.holds_budget else 0
+        return self.recall.recall(seq_id, queries, cap, self._protected.get(seq_id, 0))
 
     # --- prefill ----------------------------------------------------------------------------------
     def prefill_probs_window(self, chunk: ChunkInfo) -> int:

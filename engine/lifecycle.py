@@ -310,6 +310,11 @@ class SparseMethod:
         """Tokens past its budget a head may grow to between two compressions (0: none)."""
         return 0
 
+    def recall_settings(self) -> Any:
+        """The recall tier's settings (``RecallParams``) of a ``<method>+recall`` variant, else None:
+        what this method evicts is then kept recallable in host memory (engine/recall.py)."""
+        return None
+
     def kv_layout(self) -> KVLayout:
         """The page format this method's KV is stored in. The engine builds its page pool in the
         layout of its configured method; a session whose method wants another layout is refused."""
@@ -420,7 +425,7 @@ def build_params(cls: type, args: Mapping[str, Any]) -> Any:
     for key, value in args.items():
         default = names[key].default
         if isinstance(value, str) and not isinstance(default, str) and default is not dataclasses.MISSING:
-            value = _parse_value(cls.name, key, value, type(default))
+            value = _parse_value(cls.name, key, value, int if default is None else type(default))
         values[key] = value
     return cls.Params(**values)
 

@@ -113,7 +113,7 @@ class LLMEngine:
             pages, config.page_size, mc.head_dim, self.dtype, self.device, format=fmt, max_open_pages=max_open
         )
         self.manager = CacheManager(self.pool, mc.num_layers, num_kv_heads, slots, self.max_model_len)
-        self.controller = SparseController(self.shape, self.manager)
+        self.controller = SparseController(self.shape, self.manager, int(config.recall_host_gb * 2**30))
         self.controller.method_for(self.default_spec)  # a bad method setting fails here, not on the first request
         self.requests = RequestFactory(
             vocab_size=mc.vocab_size,

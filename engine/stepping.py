@@ -16,6 +16,7 @@ import logging
 import time
 from typing import Any, Hashable
 
+from engine.recall_step import RecallStep
 from engine.chain import ChainCache
 from engine.config import EngineConfig
 from engine.penalties import apply_penalties, uses_penalty
@@ -46,6 +47,7 @@ class StepLoop:
         self.scheduler = scheduler
         self.runner = runner
         self.chains = chains
+        self.recall = RecallStep(runner)
         self.manager = scheduler.manager
         self.controller = scheduler.controller
         self.tokenizer = tokenizer
@@ -141,6 +143,7 @@ class StepLoop:
         for seq, _ in batch.prefill:  # after the prefix holders: they keep the whole prefix
             if seq.num_cached == seq.num_tokens:  # the turn's input is in: a method may score it
                 self.runner.scoring_pass(seq, self.tokenizer, self.config.prefill_chunk_size)
+        self.recall.after_pass(batch, result, windows)  # after the methods' own compression
         return result
 
     def _fail_pass(self, batch, error: Exception) -> list[Sequence]:

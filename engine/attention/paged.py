@@ -37,6 +37,8 @@ class PrefillSegment:
     context_lengths: torch.Tensor | None = None
     """``[L, H]`` (host) for a chunk of a method's scoring pass (the physical tokens before the
     pass): the backend returns every query's probabilities and the method observes them."""
+    hooks: bool = True
+    """False: the method sees nothing of this chunk (a token run again after a recall)."""
 
 
 class PagedAttention:
@@ -161,7 +163,7 @@ class PagedAttention:
                 context_lengths=seg.context_lengths[layer],
             )
             self.controller.observe_scoring(layer, chunk)
-        elif self.controller.wants_after_prefill(seg.seq_id):
+        elif seg.hooks and self.controller.wants_after_prefill(seg.seq_id):
             chunk = PrefillChunk(
                 seq_id=seg.seq_id,
                 layer=layer,

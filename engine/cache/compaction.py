@@ -124,6 +124,9 @@ def compact(
     written_shared = written & (pool.refcount[table.clamp(min=0)] > 1)
     if int(written_shared.sum()) > pool.num_free + int(tail.sum()):
         raise OutOfPages(f"compaction needs {int(written_shared.sum())} copy-on-write pages, {pool.num_free} free")
+    sink = getattr(manager, "evict_sink", None)
+    if sink is not None:  # the recall tier keeps what is evicted (engine/recall.py)
+        sink.capture(slots, layers, heads, ~keep & (t[None, :] < to_device(old, keep.device)[:, None]), table)
 
     # device: sources of the tokens that move (at or after each row's leading run) and their ranks
     movers = keep & (t[None, :] >= to_device(lead, keep.device)[:, None])

@@ -45,6 +45,9 @@ class PageTables:
         self._arange_h = torch.arange(num_kv_heads)
         self._versions = torch.zeros(max_seqs, num_layers, dtype=torch.int64)
         self._version_clock = 0
+        self.evict_sink = None
+        """Receives the tokens every compaction evicts before their pages are reused (the recall
+        tier, engine/recall.py, sets itself here); None: evicted tokens are simply gone."""
 
     def _bump(self, slots, layer=None) -> None:
         """A new layout version for ``slots`` (an int or a tensor) in ``layer`` (None: every layer)."""

@@ -126,7 +126,7 @@ class ChainCache:
             spec = method or self.default_spec
             self.controller.method_for(spec)  # a bad spec fails before anything changes
             seq = self.requests.new_sequence(session_id, tokens, params, spec)
-            chain = Chain(session_id=session_id, seq=seq, spec=spec, queries=self._query_window())
+            chain = Chain(session_id=session_id, seq=seq, spec=spec, queries=self._query_window(spec))
             self._attach_prefix(chain, tokens, shared_prefix, prefix_scope)
             seq.source_tier = Tier.NEW
             self.chains[session_id] = chain
@@ -419,7 +419,7 @@ class ChainCache:
             spans=rec.spans,
             prune_log=rec.prune_log,
             pruned_tokens=rec.pruned_tokens,
-            queries=self._query_window(),
+            queries=self._query_window(rec.spec),
         )
         if snap.kv is not None and rec.fingerprint == self.fingerprint:
             self.tiers.set_host(chain, snap, source)
@@ -428,8 +428,11 @@ class ChainCache:
             chain.state = ChainState.HISTORY
         self.chains[sid] = chain
 
-    def _query_window(self) -> QueryWindow | None:
-        """The recent-query window a session keeps when pruning keeps the most attended tokens."""
-        if self.config.prune_policy == "keep_ratio":
-            return QueryWindow(self.config.prune_window, self.manager.num_layers)
-        return None
+    def _query_window(self, spec) -> QueryWindow | None:
+        """The recent-query window a session keeps when pruning keeps the most attended tokens, or
+        when its method recalls evicted KV (engine/recall.py)."""
+        size = self.config.prune_window if self.config.prune_policy == "keep_ratio" else 0
+        recall = self.controller.method_for(spec).recall_settings()
+        if recall is not None:
+            size = max(size, recall.recall_window)
+        return QueryWindow(size, self.manager.num_layers) if size else None

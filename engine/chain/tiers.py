@@ -86,9 +86,7 @@ class ChainTiers:
         self.manager.restore(seq.seq_id, snap.kv)
         self.controller.admit(SeqInfo(seq.seq_id, snap.meta["num_cached"], seq.protected_len), chain.spec)
         state = dict(snap.meta.get("method_state", {}))
-        state.update(
-            {k[len("method.") :]: v.to(self.manager.device) for k, v in snap.tensors.items() if k.startswith("method.")}
-        )
+        state.update({k[len("method.") :]: v for k, v in snap.tensors.items() if k.startswith("method.")})
         if state:
             self.controller.load_state_dict(seq.seq_id, state)
         if "queries" in snap.tensors and chain.queries is not None:

@@ -9,6 +9,7 @@ import sys
 from typing import TypeVar
 
 from engine.lifecycle import MethodError, MethodSpec, ModelShape, SparseMethod
+from engine.methods.recall_variant import SUFFIX, base_name, recall_variant
 
 REGISTRY: dict[str, type[SparseMethod]] = {}
 """Name -> class. Nothing depends on its order (``describe`` and tests sort it)."""
@@ -25,10 +26,15 @@ def register(cls: M) -> M:
 
 
 def get_method_class(name: str) -> type[SparseMethod]:
+    """The class of a method name; ``<method>+recall`` is ``<method>`` with its evictions recallable
+    (engine/methods/recall_variant.py)."""
+    base = base_name(name) if isinstance(name, str) else None
     try:
-        return REGISTRY[name]
-    except KeyError:
-        raise MethodError(f"unknown method {name!r}; known: {', '.join(sorted(REGISTRY))}") from None
+        return recall_variant(REGISTRY[base]) if base is not None else REGISTRY[name]
+    except (KeyError, TypeError):
+        raise MethodError(
+            f"unknown method {name!r}; known: {', '.join(sorted(REGISTRY))} (an evicting one may end in {SUFFIX!r})"
+        ) from None
 
 
 def create_method(spec: MethodSpec, shape: ModelShape) -> SparseMethod:
@@ -51,4 +57,9 @@ def describe() -> str:
         lines.append(f"  {name:<20} {summary}{needs}")
         if params:
             lines.append(f"  {'':<20}   --method-arg " + " ".join(params))
+    lines.append(
+        f"  {'<method>' + SUFFIX:<20} an evicting method whose evictions stay recallable in host memory"
+        " (engine/methods/recall_variant.py)"
+    )
+    lines.append(f"  {'':<20}   --method-arg recall_pages=0 recall_window=32 recall_interval=None cold_format=plain")
     return "\n".join(lines)

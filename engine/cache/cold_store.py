@@ -1,0 +1,268 @@
+"""ColdStore: one sequence's evicted KV, kept recallable in host memory (the recall tier's storage).
+
+A method's eviction frees device pages as always; with recall on (``<method>+recall``,
+engine/recall.py) the tokens it drops land here instead of being destroyed.
+
+Layout, per row (one layer and kv-head of the sequence), cold tokens in the order they arrived:
+
+* host: ``k``, ``v`` ``[L, H, C, D]`` and positions ``pos`` ``[L, H, C]``; the format is ``plain``
+  (the pool's dtype) or ``fp8`` (float8 e4m3 with one float32 scale per token and row: half the
+  bytes of bf16);
+* device: ``lo``, ``hi`` ``[L, H, NB, D]``, the element-wise min and max of the keys of each *block*
+  of ``block`` consecutive cold tokens (Quest's page bounds), so a query scores every cold block
+  without touching the host: ``q+ . hi + q- . lo`` bounds ``q . k`` for every key in the block.
+
+Recall takes whole blocks. A taken block is marked dead (its bounds can never be chosen again) and
+its host memory is reclaimed by ``compact`` once dead blocks pass half the capacity; appends go
+after the last block, so only a row's last block can be partly filled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+COLD_FORMATS = ("plain", "fp8")
+FP8 = getattr(torch, "float8_e4m3fn", None)
+FP8_MAX = 448.0
+
+
+@dataclass
+class ColdTokens:
+    """Tokens taken out of the store, on the device: ``k``/``v`` ``[L, H, n, D]`` (model dtype) and
+    ``pos`` ``[L, H, n]`` (-1 where a row has fewer than ``n``)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: torch.Tensor
+
+
+class ColdStore:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        cold_format: str = "plain",
+    ):
+        if cold_format not in COLD_FORMATS:
+            raise ValueError(f"cold_format must be one of {', '.join(COLD_FORMATS)}, not {cold_format!r}")
+        if cold_format == "fp8" and FP8 is None:
+            raise ValueError("cold_format fp8 needs a torch build with float8_e4m3fn")
+        self.L, self.H, self.D, self.P = num_layers, num_kv_heads, head_dim, block
+        self.dtype, self.device, self.format = dtype, device, cold_format
+        self.capacity = 0
+        self.count = torch.zeros(num_layers, num_kv_heads, dtype=torch.int64)
+        """Token slots used per row (dead blocks and the padding after a dead last block included)."""
+        self.dead = torch.zeros(num_layers, num_kv_heads, 0, dtype=torch.bool)
+        self.k = self.v = self.scale_k = self.scale_v = self.pos = None
+        self.lo = self.hi = None
+        self._grow(block)
+
+    # --- storage ------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.capacity // self.P
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the store holds (its capacity, used or not)."""
+        tensors = (self.k, self.v, self.pos, self.scale_k, self.scale_v)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def live_tokens(self) -> int:
+        """Cold tokens that can still be recalled."""
+        fill = self._fill()
+        return int((fill * ~self.dead).sum())
+
+    def _fill(self) -> torch.Tensor:
+        """Tokens in each block ``[L, H, NB]``."""
+        start = torch.arange(self.num_blocks) * self.P
+        return (self.count[..., None] - start).clamp(0, self.P)
+
+    def _host(self, *shape, dtype) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype, pin_memory=self.device.type == "cuda")
+
+    def _grow(self, capacity: int) -> None:
+        capacity = -(-capacity // self.P) * self.P
+        L, H, D, old = self.L, self.H, self.D, self.capacity
+        kv_dtype = FP8 if self.format == "fp8" else self.dtype
+        with torch.inference_mode(False):
+            k, v = self._host(L, H, capacity, D, dtype=kv_dtype), self._host(L, H, capacity, D, dtype=kv_dtype)
+            pos = self._host(L, H, capacity, dtype=torch.int32)
+            nb = capacity // self.P
+            lo = torch.full((L, H, nb, D), float("inf"), dtype=self.dtype, device=self.device)
+            hi = torch.full((L, H, nb, D), float("-inf"), dtype=self.dtype, device=self.device)
+            dead = torch.zeros(L, H, nb, dtype=torch.bool)
+            if self.format == "fp8":
+                sk, sv = (
+                    self._host(L, H, capacity, dtype=torch.float32),
+                    self._host(L, H, capacity, dtype=torch.float32),
+                )
+            if old:
+                k[:, :, :old], v[:, :, :old], pos[:, :, :old] = self.k, self.v, self.pos
+                ob = old // self.P
+                lo[:, :, :ob], hi[:, :, :ob], dead[:, :, :ob] = self.lo, self.hi, self.dead
+                if self.format == "fp8":
+                    sk[:, :, :old], sv[:, :, :old] = self.scale_k, self.scale_v
+        self.k, self.v, self.pos, self.lo, self.hi, self.dead = k, v, pos, lo, hi, dead
+        if self.format == "fp8":
+            self.scale_k, self.scale_v = sk, sv
+        self.capacity = capacity
+
+    def growth_bytes(self, rows: torch.Tensor) -> int:
+        """Host bytes ``append`` of tokens in ``rows`` (host ``[n]``, layer * H + head) would add."""
+        need = int((self.count.reshape(-1) + torch.bincount(rows, minlength=self.L * self.H)).max())
+        if need <= self.capacity:
+            return 0
+        return self.nbytes * (max(2 * self.capacity, need) - self.capacity) // max(1, self.capacity)
+
+    # --- in ------------------------------------------------------------------------------------
+    def append(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Add tokens: ``rows`` (host int64 ``[n]``, layer * H + head, ascending), ``k``/``v`` ``[n, D]``
+        and ``pos`` ``[n]`` on the device, each row's tokens in arrival order."""
+        n = rows.numel()
+        if n == 0:
+            return
+        R = self.L * self.H
+        per = torch.bincount(rows, minlength=R)
+        need = int((self.count.reshape(-1) + per).max())
+        if need > self.capacity:
+            self._grow(max(2 * self.capacity, need))
+        start = torch.cumsum(per, 0) - per
+        dest = self.count.reshape(-1)[rows] + torch.arange(n) - start[rows]
+        layer, head = rows // self.H, rows % self.H
+        with torch.inference_mode(False):
+            k_host, v_host = (
+                self._encode(k, layer, head, dest, self.scale_k),
+                self._encode(v, layer, head, dest, self.scale_v),
+            )
+            self.k[layer, head, dest], self.v[layer, head, dest] = k_host, v_host
+            self.pos[layer, head, dest] = pos.to("cpu", torch.int32)
+            block = (rows * self.num_blocks + dest // self.P).to(self.device)
+            kf = k.to(self.dtype)
+            D = self.D
+            self.lo.view(-1, D).scatter_reduce_(0, block[:, None].expand(-1, D), kf, "amin")
+            self.hi.view(-1, D).scatter_reduce_(0, block[:, None].expand(-1, D), kf, "amax")
+        self.count.view(-1).add_(per)
+
+    def _encode(self, x: torch.Tensor, layer, head, dest, scale) -> torch.Tensor:
+        if self.format == "plain":
+            return x.to("cpu", self.dtype)
+        s = (x.float().abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
+        scale[layer, head, dest] = s.cpu()
+        return (x.float() / s[:, None]).to(FP8).cpu()
+
+    def _decode(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        if self.format == "plain":
+            return x
+        return (x.float() * scale[..., None]).to(self.dtype)
+
+    # --- scoring and out -----------------------------------------------------------------------
+    def block_scores(self, q: torch.Tensor) -> torch.Tensor:
+        """Upper bounds of ``q . k`` over each block, ``[L, H, NB]`` float32 (-inf for dead or empty
+        blocks), from queries ``q`` ``[L, H, n, D]`` (a row's query group and window flattened)."""
+        qf = q.float()
+        pos_part, neg_part = qf.clamp(min=0), qf.clamp(max=0)
+        bound = pos_part @ self.hi.float().transpose(-1, -2) + neg_part @ self.lo.float().transpose(-1, -2)
+        best = bound.amax(-2)  # [L, H, NB]
+        live = (self._fill() > 0) & ~self.dead
+        return best.masked_fill(~live.to(best.device), float("-inf"))
+
+    def take(self, blocks: torch.Tensor) -> ColdTokens:
+        """Remove blocks ``[L, H, K]`` (host int64 block indices, -1 = none; each live) and return
+        their tokens on the device, ``K * block`` per row."""
+        L, H, K = blocks.shape
+        P = self.P
+        fill = self._fill()
+        ok = blocks >= 0
+        b = blocks.clamp(min=0)
+        tok = b[..., None] * P + torch.arange(P)  # [L, H, K, P]
+        valid = ok[..., None] & (torch.arange(P) < fill.gather(2, b)[..., None])
+        tok = tok.reshape(L, H, K * P)
+        valid = valid.reshape(L, H, K * P)
+        li = torch.arange(L)[:, None, None]
+        hi = torch.arange(H)[None, :, None]
+        k = self._decode(self.k[li, hi, tok], None if self.scale_k is None else self.scale_k[li, hi, tok])
+        v = self._decode(self.v[li, hi, tok], None if self.scale_v is None else self.scale_v[li, hi, tok])
+        pos = self.pos[li, hi, tok].masked_fill(~valid, -1)
+        # mark the blocks dead; a dead last block is closed so later appends start a fresh one
+        lr, hr, kr = ok.nonzero(as_tuple=True)
+        self.dead[lr, hr, blocks[lr, hr, kr]] = True
+        last = (self.count - 1).clamp(min=0) // P
+        closed = (self.count > 0) & self.dead.gather(2, last[..., None]).squeeze(-1)
+        self.count = torch.where(closed, -(-self.count // P) * P, self.count)
+        if int(self.dead.sum()) * 2 > self.num_blocks * L * H:
+            self.compact()
+        dev = self.device
+        return ColdTokens(k=k.to(dev, non_blocking=True), v=v.to(dev, non_blocking=True), pos=pos.to(dev))
+
+    def compact(self) -> None:
+        """Drop dead blocks: each row's live blocks move to its front, in order."""
+        L, H, NB, P = self.L, self.H, self.num_blocks, self.P
+        fill = self._fill()
+        live = (fill > 0) & ~self.dead
+        b = torch.arange(NB)
+        order = torch.argsort(torch.where(live, b, NB + b), dim=-1, stable=True)  # live blocks first
+        tok = (order[..., None] * P + torch.arange(P)).reshape(L, H, NB * P)
+        li, hi_ = torch.arange(L)[:, None, None], torch.arange(H)[None, :, None]
+        with torch.inference_mode(False):
+            self.k, self.v, self.pos = self.k[li, hi_, tok], self.v[li, hi_, tok], self.pos[li, hi_, tok]
+            if self.scale_k is not None:
+                self.scale_k, self.scale_v = self.scale_k[li, hi_, tok], self.scale_v[li, hi_, tok]
+            od = order.to(self.device)
+            self.lo = self.lo.gather(2, od[..., None].expand(-1, -1, -1, self.D))
+            self.hi = self.hi.gather(2, od[..., None].expand(-1, -1, -1, self.D))
+        n_live = live.sum(-1)
+        last_fill = torch.where(
+            n_live > 0, fill.gather(2, order.gather(2, (n_live - 1).clamp(min=0)[..., None])).squeeze(-1), 0
+        )
+        self.count = torch.where(n_live > 0, (n_live - 1) * P + last_fill, 0)
+        self.dead = torch.zeros_like(self.dead)
+        empty = torch.arange(NB)[None, None, :] >= n_live[..., None]
+        self.lo.masked_fill_(empty.to(self.device)[..., None], float("inf"))
+        self.hi.masked_fill_(empty.to(self.device)[..., None], float("-inf"))
+
+    # --- snapshot ------------------------------------------------------------------------------
+    def state(self) -> dict[str, torch.Tensor]:
+        """Host tensors that rebuild the store (``from_state``): live tokens only."""
+        self.compact()
+        used = max(1, int(self.count.max()))
+        out = {"count": self.count.clone(), "pos": self.pos[:, :, :used].clone()}
+        out["k"], out["v"] = self.k[:, :, :used].clone(), self.v[:, :, :used].clone()
+        if self.scale_k is not None:
+            out["scale_k"], out["scale_v"] = self.scale_k[:, :, :used].clone(), self.scale_v[:, :, :used].clone()
+        return out
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        """Refill an empty store from ``state`` (bounds recomputed on the device)."""
+        count = state["count"].long().cpu()
+        if tuple(count.shape) != (self.L, self.H):
+            raise ValueError(f"cold tier state is for {tuple(count.shape)} (layers, kv-heads), not {(self.L, self.H)}")
+        k, v, pos = state["k"].cpu(), state["v"].cpu(), state["pos"].cpu()
+        if k.shape[-1] != self.D or k.shape[:2] != (self.L, self.H) or int(count.max()) > k.shape[2]:
+            raise ValueError("cold tier state does not match this model or its own counts")
+        fp8 = self.format == "fp8"
+        if fp8 != ("scale_k" in state):
+            raise ValueError("cold tier state was saved in another cold_format")
+        self._grow(max(self.P, k.shape[2]))
+        used = k.shape[2]
+        with torch.inference_mode(False):
+            self.k[:, :, :used], self.v[:, :, :used], self.pos[:, :, :used] = k, v, pos
+            if fp8:
+                self.scale_k[:, :, :used], self.scale_v[:, :, :used] = state["scale_k"].cpu(), state["scale_v"].cpu()
+        self.count = count.clone()
+        keys = self._decode(self.k, self.scale_k).to(self.device, self.dtype)  # [L, H, C, D]
+        valid = (torch.arange(self.capacity)[None, None, :] < count[..., None]).to(self.device)[..., None]
+        shape = (self.L, self.H, self.num_blocks, self.P, self.D)
+        self.lo = torch.where(valid, keys, float("inf")).reshape(shape).amin(3)
+        self.hi = torch.where(valid, keys, float("-inf")).reshape(shape).amax(3)
+
+    def clone(self) -> "ColdStore":
+        other = ColdStore(self.L, self.H, self.D, self.P, self.dtype, self.device, self.format)
+        other.load(self.state())
+        return other

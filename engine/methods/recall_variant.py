@@ -1,0 +1,114 @@
+"""<method>+recall: any evicting method, with what it evicts kept recallable in host memory.
+
+Rule: the base method runs unchanged and its device working set stays within its budget (pages
+are freed as before), but every token it evicts moves to the session's cold tier on the host
+(engine/cache/cold_store.py) with Quest-style key bounds per block of ``page_size`` cold tokens
+kept on the device. Once a turn's input is prefilled, the turn's last queries score every cold
+block; the ``recall_pages`` best blocks per kv-head are fetched and ranked with the hot tokens by
+their exact attention logits, and the best of both fill the head's budget (the coldest hot tokens
+go to the cold tier in their place). The turn's last input token is then run again so its reply's
+first token reads the recalled KV. With ``recall_interval`` set, decode steps recall the same
+way every that many tokens. Snapshots carry the cold tier, so a session resumes whole elsewhere.
+
+References: ArkVale (Chen et al., NeurIPS 2024: page digests of evicted KV recalled when they
+become relevant), InfLLM (Xiao et al., NeurIPS 2024: cold blocks in host memory scored by
+representatives), Quest (Tang et al., ICML 2024: the per-page min/max key bound). engine/recall.py
+carries the rule out; this module only declares the variant and checks its parameters.
+
+Parameters (besides the base method's):
+    recall_pages = 0          cold blocks per kv-head scored exactly at each recall; 0: a quarter
+                              of the head's budget in pages (at least 1)
+    recall_window = 32        the latest queries (per layer, of the turn's input or of decoding)
+                              that score the cold blocks; the latest ``recall_window`` tokens a head
+                              holds are never displaced
+    recall_interval = None    decode steps between recalls while a reply is decoded (None: recall
+                              only when a turn's input is in); 0 is refused
+    recall_rerun = True       run the turn's last input token again after a recall
+    cold_format = "plain"     how cold KV is stored on the host: ``plain`` (the model's dtype) or
+                              ``fp8`` (float8 e4m3 with a scale per token: half the bytes of bf16)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from engine.lifecycle import MethodError, SparseMethod
+
+SUFFIX = "+recall"
+COLD_FORMATS = ("plain", "fp8")
+
+
+@dataclass
+class RecallParams:
+    recall_pages: int = 0
+    recall_window: int = 32
+    recall_interval: int | None = None
+    recall_rerun: bool = True
+    cold_format: str = "plain"
+
+    def check(self, name: str) -> None:
+        def bad(msg: str) -> MethodError:
+            return MethodError(f"{name}: {msg}")
+
+        for key in ("recall_pages", "recall_window"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise bad(f"{key} must be an integer, not {value!r}")
+        if not 0 <= self.recall_pages <= 1 << 16:
+            raise bad(f"recall_pages must be in [0, 65536] (0: a quarter of the budget), not {self.recall_pages}")
+        if not 1 <= self.recall_window <= 4096:
+            raise bad(f"recall_window must be in [1, 4096] queries, not {self.recall_window}")
+        i = self.recall_interval
+        if i is not None and (isinstance(i, bool) or not isinstance(i, int) or not 1 <= i <= 1 << 20):
+            raise bad(f"recall_interval must be a number of decode steps >= 1 (or unset), not {i!r}")
+        if not isinstance(self.recall_rerun, bool):
+            raise bad(f"recall_rerun must be true or false, not {self.recall_rerun!r}")
+        if self.cold_format not in COLD_FORMATS:
+            raise bad(f"cold_format must be one of {', '.join(COLD_FORMATS)}, not {self.cold_format!r}")
+
+
+_RECALL_FIELDS = [f.name for f in dataclasses.fields(RecallParams)]
+_VARIANTS: dict[type, type] = {}
+
+
+def base_name(name: str) -> str | None:
+    """The base method of a ``<method>+recall`` name, or None for a plain name."""
+    return name[: -len(SUFFIX)] if name.endswith(SUFFIX) else None
+
+
+def recall_variant(base: type[SparseMethod]) -> type[SparseMethod]:
+    """The ``<base>+recall`` class: ``base`` with the recall parameters added (made once)."""
+    if base in _VARIANTS:
+        return _VARIANTS[base]
+    if not base.holds_budget:
+        raise MethodError(
+            f"{base.name}{SUFFIX}: {base.name!r} keeps every token (nothing is evicted, so nothing to recall); "
+            f"recall applies to methods that evict"
+        )
+    bases = (base.Params,) if base.Params is not None else ()
+    fields = [(f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(RecallParams)]
+    params = dataclasses.make_dataclass(f"{base.__name__}RecallParams", fields, bases=bases)
+
+    def __init__(self, spec, shape):
+        base.__init__(self, spec, shape)
+        self.recall_params = RecallParams(**{k: getattr(self.params, k) for k in _RECALL_FIELDS})
+        self.recall_params.check(self.name)
+        if self.kv_layout().format != "plain":
+            raise MethodError(
+                f"{self.name}: recall needs plain KV pages, {base.name!r} stores {self.kv_layout().describe()}"
+            )
+
+    variant = type(
+        f"{base.__name__}Recall",
+        (base,),
+        {
+            "name": base.name + SUFFIX,
+            "Params": params,
+            "__init__": __init__,
+            "__module__": base.__module__,
+            "recall_settings": lambda self: self.recall_params,
+        },
+    )
+    _VARIANTS[base] = variant
+    return variant
