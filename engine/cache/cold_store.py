@@ -89,8 +89,9 @@ class ColdStore:
         start = torch.arange(self.num_blocks) * self.P
         return (self.count[..., None] - start).clamp(0, self.P)
 
-    def _host(self, *shape, dtype) -> torch.Tensor:
-        return torch.zeros(*shape, dtype=dtype, pin_memory=self.device.type == "cuda")
+    @staticmethod
+    def _host(*shape, dtype) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype)  # pageable: pinning GBs that grow by doubling costs more
 
     def _grow(self, capacity: int) -> None:
         capacity = -(-capacity // self.P) * self.P
@@ -146,26 +147,34 @@ class ColdStore:
         opens = dest % self.P == 0  # a token that starts a block dates it
         self.epoch[layer[opens], head[opens], dest[opens] // self.P] = self.turn
         with torch.inference_mode(False):
-            k_host, k_seen = self._encode(k, layer, head, dest, self.scale_k)
-            v_host, _ = self._encode(v, layer, head, dest, self.scale_v)
-            self.k[layer, head, dest], self.v[layer, head, dest] = k_host, v_host
-            self.pos[layer, head, dest] = pos.to("cpu", torch.int32)
+            k_host, k_scale, k_seen = self._encode(k)
+            v_host, v_scale, _ = self._encode(v)
+            pos_host = pos.to("cpu", torch.int32)
+            # each row's new tokens are one contiguous run: copy runs, not scattered tokens
+            for r in per.nonzero().flatten().tolist():
+                layer_r, head_r = divmod(r, self.H)
+                c, m, s0 = int(self.count.view(-1)[r]), int(per[r]), int(start[r])
+                self.k[layer_r, head_r, c : c + m] = k_host[s0 : s0 + m]
+                self.v[layer_r, head_r, c : c + m] = v_host[s0 : s0 + m]
+                self.pos[layer_r, head_r, c : c + m] = pos_host[s0 : s0 + m]
+                if k_scale is not None:
+                    self.scale_k[layer_r, head_r, c : c + m] = k_scale[s0 : s0 + m]
+                    self.scale_v[layer_r, head_r, c : c + m] = v_scale[s0 : s0 + m]
             block = (rows * self.num_blocks + dest // self.P).to(self.device)
             D = self.D
             self.lo.view(-1, D).scatter_reduce_(0, block[:, None].expand(-1, D), k_seen, "amin")
             self.hi.view(-1, D).scatter_reduce_(0, block[:, None].expand(-1, D), k_seen, "amax")
         self.count.view(-1).add_(per)
 
-    def _encode(self, x: torch.Tensor, layer, head, dest, scale) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` ``[n, D]`` (device) as stored on the host, and as it will read back (on the device,
-        the bounds are taken of that, so they hold for what a recall returns)."""
+    def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``x`` ``[n, D]`` (device) as stored on the host (values, fp8's scales or None), and as it
+        will read back, on the device (the bounds are taken of that, so they hold for a recall)."""
         if self.format == "plain":
             x = x.to(self.dtype)
-            return x.cpu(), x
+            return x.cpu(), None, x
         s = (x.float().abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
         xq = (x.float() / s[:, None]).to(FP8)
-        scale[layer, head, dest] = s.cpu()
-        return xq.cpu(), (xq.float() * s[:, None]).to(self.dtype)
+        return xq.cpu(), s.cpu(), (xq.float() * s[:, None]).to(self.dtype)
 
     def _decode(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         if self.format == "plain":
@@ -198,15 +207,17 @@ class ColdStore:
         fill = self._fill()
         ok = blocks >= 0
         b = blocks.clamp(min=0)
-        tok = b[..., None] * P + torch.arange(P)  # [L, H, K, P]
-        valid = ok[..., None] & (torch.arange(P) < fill.gather(2, b)[..., None])
-        tok = tok.reshape(L, H, K * P)
-        valid = valid.reshape(L, H, K * P)
+        valid = (ok[..., None] & (torch.arange(P) < fill.gather(2, b)[..., None])).reshape(L, H, K * P)
         li = torch.arange(L)[:, None, None]
         hi = torch.arange(H)[None, :, None]
-        k = self._decode(self.k[li, hi, tok], None if self.scale_k is None else self.scale_k[li, hi, tok])
-        v = self._decode(self.v[li, hi, tok], None if self.scale_v is None else self.scale_v[li, hi, tok])
-        pos = self.pos[li, hi, tok].masked_fill(~valid, -1)
+        NB, D = self.num_blocks, self.D
+
+        def blocks_of(t: torch.Tensor | None, *tail: int) -> torch.Tensor | None:  # whole blocks, contiguous
+            return None if t is None else t.view(L, H, NB, P, *tail)[li, hi, b].reshape(L, H, K * P, *tail)
+
+        k = self._decode(blocks_of(self.k, D), blocks_of(self.scale_k))
+        v = self._decode(blocks_of(self.v, D), blocks_of(self.scale_v))
+        pos = blocks_of(self.pos).masked_fill(~valid, -1)
         # mark the blocks dead; a dead last block is closed so later appends start a fresh one
         lr, hr, kr = ok.nonzero(as_tuple=True)
         self.dead[lr, hr, blocks[lr, hr, kr]] = True
