@@ -30,6 +30,7 @@ class RecallStep:
         self.manager = runner.manager
         self.reruns = 0
 
+    @torch.inference_mode()  # like the pass itself (the logits it replaces are inference tensors)
     def after_pass(self, batch, result, windows: dict) -> None:
         """Recall for the sequences of the pass just run (``result.logits`` rows may be replaced)."""
         for seq, _ in batch.prefill:
@@ -50,7 +51,6 @@ class RecallStep:
         result = self.controller.recall_now(seq.seq_id, seq.num_cached, window.q[:, :n], at_input)
         return result.recalled > 0
 
-    @torch.inference_mode()
     def _rerun(self, seq, result) -> None:
         """Run the input's last token again so the first reply token reads the recalled KV."""
         m, sid, n = self.manager, seq.seq_id, seq.num_cached

@@ -39,6 +39,7 @@ class ColdTokens:
 
 
 class ColdStore:
+    @torch.inference_mode(False)  # its state is updated in and out of inference mode
     def __init__(
         self,
         num_layers: int,
@@ -93,30 +94,30 @@ class ColdStore:
     def _host(*shape, dtype) -> torch.Tensor:
         return torch.zeros(*shape, dtype=dtype)  # pageable: pinning GBs that grow by doubling costs more
 
+    @torch.inference_mode(False)
     def _grow(self, capacity: int) -> None:
         capacity = -(-capacity // self.P) * self.P
         L, H, D, old = self.L, self.H, self.D, self.capacity
         kv_dtype = FP8 if self.format == "fp8" else self.dtype
-        with torch.inference_mode(False):
-            k, v = self._host(L, H, capacity, D, dtype=kv_dtype), self._host(L, H, capacity, D, dtype=kv_dtype)
-            pos = self._host(L, H, capacity, dtype=torch.int32)
-            nb = capacity // self.P
-            lo = torch.full((L, H, nb, D), float("inf"), dtype=self.dtype, device=self.device)
-            hi = torch.full((L, H, nb, D), float("-inf"), dtype=self.dtype, device=self.device)
-            dead = torch.zeros(L, H, nb, dtype=torch.bool)
-            epoch = torch.zeros(L, H, nb, dtype=torch.int64)
+        k, v = self._host(L, H, capacity, D, dtype=kv_dtype), self._host(L, H, capacity, D, dtype=kv_dtype)
+        pos = self._host(L, H, capacity, dtype=torch.int32)
+        nb = capacity // self.P
+        lo = torch.full((L, H, nb, D), float("inf"), dtype=self.dtype, device=self.device)
+        hi = torch.full((L, H, nb, D), float("-inf"), dtype=self.dtype, device=self.device)
+        dead = torch.zeros(L, H, nb, dtype=torch.bool)
+        epoch = torch.zeros(L, H, nb, dtype=torch.int64)
+        if self.format == "fp8":
+            sk, sv = (
+                self._host(L, H, capacity, dtype=torch.float32),
+                self._host(L, H, capacity, dtype=torch.float32),
+            )
+        if old:
+            k[:, :, :old], v[:, :, :old], pos[:, :, :old] = self.k, self.v, self.pos
+            ob = old // self.P
+            lo[:, :, :ob], hi[:, :, :ob], dead[:, :, :ob] = self.lo, self.hi, self.dead
+            epoch[:, :, :ob] = self.epoch
             if self.format == "fp8":
-                sk, sv = (
-                    self._host(L, H, capacity, dtype=torch.float32),
-                    self._host(L, H, capacity, dtype=torch.float32),
-                )
-            if old:
-                k[:, :, :old], v[:, :, :old], pos[:, :, :old] = self.k, self.v, self.pos
-                ob = old // self.P
-                lo[:, :, :ob], hi[:, :, :ob], dead[:, :, :ob] = self.lo, self.hi, self.dead
-                epoch[:, :, :ob] = self.epoch
-                if self.format == "fp8":
-                    sk[:, :, :old], sv[:, :, :old] = self.scale_k, self.scale_v
+                sk[:, :, :old], sv[:, :, :old] = self.scale_k, self.scale_v
         self.k, self.v, self.pos, self.lo, self.hi, self.dead, self.epoch = k, v, pos, lo, hi, dead, epoch
         if self.format == "fp8":
             self.scale_k, self.scale_v = sk, sv
@@ -130,6 +131,7 @@ class ColdStore:
         return self.nbytes * (max(2 * self.capacity, need) - self.capacity) // max(1, self.capacity)
 
     # --- in ------------------------------------------------------------------------------------
+    @torch.inference_mode(False)
     def append(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Add tokens: ``rows`` (host int64 ``[n]``, layer * H + head, ascending), ``k``/``v`` ``[n, D]``
         and ``pos`` ``[n]`` on the device, each row's tokens in arrival order."""
@@ -146,24 +148,23 @@ class ColdStore:
         layer, head = rows // self.H, rows % self.H
         opens = dest % self.P == 0  # a token that starts a block dates it
         self.epoch[layer[opens], head[opens], dest[opens] // self.P] = self.turn
-        with torch.inference_mode(False):
-            k_host, k_scale, k_seen = self._encode(k)
-            v_host, v_scale, _ = self._encode(v)
-            pos_host = pos.to("cpu", torch.int32)
-            # each row's new tokens are one contiguous run: copy runs, not scattered tokens
-            for r in per.nonzero().flatten().tolist():
-                layer_r, head_r = divmod(r, self.H)
-                c, m, s0 = int(self.count.view(-1)[r]), int(per[r]), int(start[r])
-                self.k[layer_r, head_r, c : c + m] = k_host[s0 : s0 + m]
-                self.v[layer_r, head_r, c : c + m] = v_host[s0 : s0 + m]
-                self.pos[layer_r, head_r, c : c + m] = pos_host[s0 : s0 + m]
-                if k_scale is not None:
-                    self.scale_k[layer_r, head_r, c : c + m] = k_scale[s0 : s0 + m]
-                    self.scale_v[layer_r, head_r, c : c + m] = v_scale[s0 : s0 + m]
-            block = (rows * self.num_blocks + dest // self.P).to(self.device)
-            D = self.D
-            self.lo.view(-1, D).scatter_reduce_(0, block[:, None].expand(-1, D), k_seen, "amin")
-            self.hi.view(-1, D).scatter_reduce_(0, block[:, None].expand(-1, D), k_seen, "amax")
+        k_host, k_scale, k_seen = self._encode(k)
+        v_host, v_scale, _ = self._encode(v)
+        pos_host = pos.to("cpu", torch.int32)
+        # each row's new tokens are one contiguous run: copy runs, not scattered tokens
+        for r in per.nonzero().flatten().tolist():
+            layer_r, head_r = divmod(r, self.H)
+            c, m, s0 = int(self.count.view(-1)[r]), int(per[r]), int(start[r])
+            self.k[layer_r, head_r, c : c + m] = k_host[s0 : s0 + m]
+            self.v[layer_r, head_r, c : c + m] = v_host[s0 : s0 + m]
+            self.pos[layer_r, head_r, c : c + m] = pos_host[s0 : s0 + m]
+            if k_scale is not None:
+                self.scale_k[layer_r, head_r, c : c + m] = k_scale[s0 : s0 + m]
+                self.scale_v[layer_r, head_r, c : c + m] = v_scale[s0 : s0 + m]
+        block = (rows * self.num_blocks + dest // self.P).to(self.device)
+        D = self.D
+        self.lo.view(-1, D).scatter_reduce_(0, block[:, None].expand(-1, D), k_seen, "amin")
+        self.hi.view(-1, D).scatter_reduce_(0, block[:, None].expand(-1, D), k_seen, "amax")
         self.count.view(-1).add_(per)
 
     def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -182,6 +183,7 @@ class ColdStore:
         return (x.float() * scale[..., None]).to(self.dtype)
 
     # --- scoring and out -----------------------------------------------------------------------
+    @torch.inference_mode(False)
     def next_turn(self) -> None:
         """The sequence finished a turn: blocks started from now on belong to the next one."""
         self.turn += 1
@@ -199,6 +201,7 @@ class ColdStore:
             live &= self.epoch < before
         return best.masked_fill(~live.to(best.device), float("-inf"))
 
+    @torch.inference_mode(False)
     def take(self, blocks: torch.Tensor) -> ColdTokens:
         """Remove blocks ``[L, H, K]`` (host int64 block indices, -1 = none; each live) and return
         their tokens on the device, ``K * block`` per row."""
@@ -229,6 +232,7 @@ class ColdStore:
         dev = self.device
         return ColdTokens(k=k.to(dev, non_blocking=True), v=v.to(dev, non_blocking=True), pos=pos.to(dev))
 
+    @torch.inference_mode(False)
     def compact(self) -> None:
         """Drop dead blocks: each row's live blocks move to its front, in order."""
         L, H, NB, P = self.L, self.H, self.num_blocks, self.P
@@ -238,14 +242,13 @@ class ColdStore:
         order = torch.argsort(torch.where(live, b, NB + b), dim=-1, stable=True)  # live blocks first
         tok = (order[..., None] * P + torch.arange(P)).reshape(L, H, NB * P)
         li, hi_ = torch.arange(L)[:, None, None], torch.arange(H)[None, :, None]
-        with torch.inference_mode(False):
-            self.k, self.v, self.pos = self.k[li, hi_, tok], self.v[li, hi_, tok], self.pos[li, hi_, tok]
-            if self.scale_k is not None:
-                self.scale_k, self.scale_v = self.scale_k[li, hi_, tok], self.scale_v[li, hi_, tok]
-            self.epoch = self.epoch.gather(2, order)
-            od = order.to(self.device)
-            self.lo = self.lo.gather(2, od[..., None].expand(-1, -1, -1, self.D))
-            self.hi = self.hi.gather(2, od[..., None].expand(-1, -1, -1, self.D))
+        self.k, self.v, self.pos = self.k[li, hi_, tok], self.v[li, hi_, tok], self.pos[li, hi_, tok]
+        if self.scale_k is not None:
+            self.scale_k, self.scale_v = self.scale_k[li, hi_, tok], self.scale_v[li, hi_, tok]
+        self.epoch = self.epoch.gather(2, order)
+        od = order.to(self.device)
+        self.lo = self.lo.gather(2, od[..., None].expand(-1, -1, -1, self.D))
+        self.hi = self.hi.gather(2, od[..., None].expand(-1, -1, -1, self.D))
         n_live = live.sum(-1)
         last_fill = torch.where(
             n_live > 0, fill.gather(2, order.gather(2, (n_live - 1).clamp(min=0)[..., None])).squeeze(-1), 0
@@ -269,6 +272,7 @@ class ColdStore:
             out["scale_k"], out["scale_v"] = self.scale_k[:, :, :used].clone(), self.scale_v[:, :, :used].clone()
         return out
 
+    @torch.inference_mode(False)
     def load(self, state: dict[str, torch.Tensor]) -> None:
         """Refill an empty store from ``state`` (bounds recomputed on the device)."""
         count = state["count"].long().cpu()
@@ -282,10 +286,9 @@ class ColdStore:
             raise ValueError("cold tier state was saved in another cold_format")
         self._grow(max(self.P, k.shape[2]))
         used = k.shape[2]
-        with torch.inference_mode(False):
-            self.k[:, :, :used], self.v[:, :, :used], self.pos[:, :, :used] = k, v, pos
-            if fp8:
-                self.scale_k[:, :, :used], self.scale_v[:, :, :used] = state["scale_k"].cpu(), state["scale_v"].cpu()
+        self.k[:, :, :used], self.v[:, :, :used], self.pos[:, :, :used] = k, v, pos
+        if fp8:
+            self.scale_k[:, :, :used], self.scale_v[:, :, :used] = state["scale_k"].cpu(), state["scale_v"].cpu()
         self.count = count.clone()
         if "epoch" in state:
             epoch = state["epoch"].long().cpu()
