@@ -119,12 +119,15 @@ class PrefixIndex:
 
 @dataclass
 class QueryWindow:
-    """The last ``size`` queries of a sequence in every layer (they score keep_ratio pruning)."""
+    """The last ``size`` queries of a sequence in every layer (they score keep_ratio pruning and the
+    recall tier's recalls)."""
 
     size: int
     num_layers: int
     q: torch.Tensor | None = None  # [L, size, Hq, D]
     count: list[int] = field(default_factory=list)
+    decode: bool = True
+    """Record decode steps' queries too (False: prefill's only, so decode steps stay CUDA graphs)."""
 
     def push(self, layer: int, q: torch.Tensor) -> None:
         if self.q is None:

@@ -135,7 +135,12 @@ class StepLoop:
     def _forward(self, batch):
         """The forward pass of ``batch`` and what follows it before sampling (prefix holders, scoring)."""
         chains = self.chains.chains
-        windows = {s.seq_id: c.queries for s in _seqs_of(batch) if (c := chains.get(s.seq_id)) and c.queries}
+        prefilling = {s.seq_id for s, _ in batch.prefill}
+        windows = {
+            s.seq_id: c.queries
+            for s in _seqs_of(batch)
+            if (c := chains.get(s.seq_id)) and c.queries and (c.queries.decode or s.seq_id in prefilling)
+        }
         result = self.runner.execute(batch, windows)
         for seq in _seqs_of(batch):
             if seq.prefix_boundary:
@@ -180,7 +185,7 @@ class StepLoop:
             and not q.params.return_logits
             and q.matcher is None
             and not uses_penalty(q.params)
-            and not (q.seq_id in chains and chains[q.seq_id].queries is not None)
+            and not (q.seq_id in chains and chains[q.seq_id].queries is not None and chains[q.seq_id].queries.decode)
             for q in s.running
         )
 

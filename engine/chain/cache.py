@@ -336,6 +336,7 @@ class ChainCache:
                 parent.queries.num_layers,
                 None if parent.queries.q is None else parent.queries.q.clone(),
                 list(parent.queries.count),
+                parent.queries.decode,
             )
         if parent.state is ChainState.IDLE:
             if self.manager.num_free_slots == 0 and not self.tiers.reclaim_slot():
@@ -432,8 +433,8 @@ class ChainCache:
     def _query_window(self, spec) -> QueryWindow | None:
         """The recent-query window a session keeps when pruning keeps the most attended tokens, or
         when its method recalls evicted KV (engine/recall.py)."""
-        size = self.config.prune_window if self.config.prune_policy == "keep_ratio" else 0
+        prune = self.config.prune_window if self.config.prune_policy == "keep_ratio" else 0
         recall = self.controller.method_for(spec).recall_settings()
-        if recall is not None:
-            size = max(size, recall.recall_window)
-        return QueryWindow(size, self.manager.num_layers) if size else None
+        size = max(prune, recall.recall_window if recall is not None else 0)
+        decode = bool(prune) or (recall is not None and recall.recall_interval is not None)
+        return QueryWindow(size, self.manager.num_layers, decode=decode) if size else None
