@@ -150,17 +150,17 @@ class ColdStore:
         self.epoch[layer[opens], head[opens], dest[opens] // self.P] = self.turn
         k_host, k_scale, k_seen = self._encode(k)
         v_host, v_scale, _ = self._encode(v)
-        pos_host = pos.to("cpu", torch.int32)
-        # each row's new tokens are one contiguous run: copy runs, not scattered tokens
-        for r in per.nonzero().flatten().tolist():
-            layer_r, head_r = divmod(r, self.H)
-            c, m, s0 = int(self.count.view(-1)[r]), int(per[r]), int(start[r])
-            self.k[layer_r, head_r, c : c + m] = k_host[s0 : s0 + m]
-            self.v[layer_r, head_r, c : c + m] = v_host[s0 : s0 + m]
-            self.pos[layer_r, head_r, c : c + m] = pos_host[s0 : s0 + m]
-            if k_scale is not None:
-                self.scale_k[layer_r, head_r, c : c + m] = k_scale[s0 : s0 + m]
-                self.scale_v[layer_r, head_r, c : c + m] = v_scale[s0 : s0 + m]
+        pos_host = pos.to("cpu", torch.int32, non_blocking=True)
+        if pos.device.type == "cuda":
+            torch.cuda.current_stream(pos.device).synchronize()  # the pinned copies above have landed
+        # one multi-threaded index_copy_ per buffer (flat (row, slot) indices), not a copy per row
+        flat = rows * self.capacity + dest
+        _raw(self.k).view(-1, self.D).index_copy_(0, flat, _raw(k_host))
+        _raw(self.v).view(-1, self.D).index_copy_(0, flat, _raw(v_host))
+        self.pos.view(-1).index_copy_(0, flat, pos_host)
+        if k_scale is not None:
+            self.scale_k.view(-1).index_copy_(0, flat, k_scale)
+            self.scale_v.view(-1).index_copy_(0, flat, v_scale)
         block = (rows * self.num_blocks + dest // self.P).to(self.device)
         D = self.D
         self.lo.view(-1, D).scatter_reduce_(0, block[:, None].expand(-1, D), k_seen, "amin")
@@ -172,10 +172,10 @@ class ColdStore:
         will read back, on the device (the bounds are taken of that, so they hold for a recall)."""
         if self.format == "plain":
             x = x.to(self.dtype)
-            return x.cpu(), None, x
+            return x.to("cpu", non_blocking=True), None, x  # pinned on CUDA: the caller syncs once
         s = (x.float().abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
         xq = (x.float() / s[:, None]).to(FP8)
-        return xq.cpu(), s.cpu(), (xq.float() * s[:, None]).to(self.dtype)
+        return xq.to("cpu", non_blocking=True), s.to("cpu", non_blocking=True), (xq.float() * s[:, None]).to(self.dtype)
 
     def _decode(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         if self.format == "plain":
@@ -215,8 +215,13 @@ class ColdStore:
         hi = torch.arange(H)[None, :, None]
         NB, D = self.num_blocks, self.D
 
+        flat_blocks = ((li * H + hi) * NB + b).reshape(-1)
+
         def blocks_of(t: torch.Tensor | None, *tail: int) -> torch.Tensor | None:  # whole blocks, contiguous
-            return None if t is None else t.view(L, H, NB, P, *tail)[li, hi, b].reshape(L, H, K * P, *tail)
+            if t is None:
+                return None
+            out = _raw(t).view(L * H * NB, P, *tail).index_select(0, flat_blocks).reshape(L, H, K * P, *tail)
+            return out.view(t.dtype)
 
         k = self._decode(blocks_of(self.k, D), blocks_of(self.scale_k))
         v = self._decode(blocks_of(self.v, D), blocks_of(self.scale_v))
@@ -304,3 +309,8 @@ class ColdStore:
         other = ColdStore(self.L, self.H, self.D, self.P, self.dtype, self.device, self.format)
         other.load(self.state())
         return other
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """fp8 buffers as bytes (CPU index_copy_ / index_select have no float8 kernels; the bytes move the same)."""
+    return t.view(torch.uint8) if t.dtype == FP8 else t
