@@ -123,14 +123,18 @@ class LargestAllocation(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.largest = 0
+        self.sizes = [0]
+
+    @property
+    def largest(self) -> int:
+        return max(self.sizes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {x.untyped_storage().data_ptr() for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
         for x in tree_leaves(out):
             if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in inputs:
-                self.largest = max(self.largest, x.untyped_storage().nbytes())
+                self.sizes.append(x.untyped_storage().nbytes())
         return out
 
 
@@ -153,3 +157,27 @@ def test_compaction_working_memory_stays_under_the_chunk_budget_as_the_batch_gro
         if num_seqs == 32:  # the batch's moved K/V alone is many budgets: only chunks fit
             assert moved_bytes > 4 * budget
     assert max(largest.values()) <= budget, largest
+
+
+def test_streaming_llm_decode_mask_built_a_few_sequences_at_a_time(monkeypatch):
+    """streaming_llm's batch-wide keep mask (sink + recent window of every due head) is written in place a
+    chunk of sequences at a time; it is the rule's mask, and its temporaries stay within the budget."""
+    import engine.methods.streaming_llm as streaming
+    from engine.lifecycle import MethodSpec, ModelShape, SeqInfo
+
+    shape = ModelShape(num_layers=L, num_heads=4, num_kv_heads=H, head_dim=D, page_size=P)
+    m = streaming.StreamingLLM(MethodSpec("streaming_llm", budget=20, method_args={"slack": 3, "n_sink": 4}), shape)
+    g = torch.Generator().manual_seed(0)
+    seqs = [SeqInfo(i, 100, protected_len=5 * (i % 2)) for i in range(24)]
+    lengths = torch.randint(10, 40, (24, L, H), generator=g)
+    budget = 8 * L * H * 40  # about a third of the mask
+    monkeypatch.setattr(streaming, "COMPACTION_CHUNK_BYTES", budget)
+    with LargestAllocation() as mem:
+        decided = m.after_decode_step(seqs, lengths)
+    sizes = sorted(mem.sizes)
+    assert sizes[-1] == decided.mask.numel() and sizes[-2] <= budget  # the mask itself, then its temporaries
+    due = (lengths.amax(dim=(1, 2)) > 20 + torch.tensor([s.protected_len for s in seqs])).nonzero().flatten()
+    assert decided.seq_ids == due.tolist() and len(due) > 8
+    t = torch.arange(decided.mask.shape[-1])
+    n = lengths[due][..., None]
+    assert torch.equal(decided.mask, (t < 4) | ((t >= n - 16) & (t < n)))

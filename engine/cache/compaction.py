@@ -82,8 +82,9 @@ def _set(mask: torch.Tensor, row: torch.Tensor, col: torch.Tensor, device) -> No
 COMPACTION_CHUNK_BYTES = 512 << 20
 """Working memory a compaction takes at a time on the pool's device: its rows are carried out in
 chunks whose masks, indices and moved tokens fit in this (at least one row a chunk), so a batch's
-compaction needs no more temporary memory than a single session's. Gathering every moved token of
-a batch at once asked for 52 GiB (425 streaming_llm sessions of Llama-3.1-8B at a 2,048 budget)."""
+compaction needs no more temporary memory however large the batch. Only rows that write pages a
+fork shares move together, in one chunk of their own. Gathering every moved token of a batch at
+once asked for 52 GiB (425 streaming_llm sessions of Llama-3.1-8B at a 2,048 budget)."""
 
 _CELL_BYTES = 32
 """Working memory per token position of a chunk's rows: the clipped mask, its int64 ranks and
