@@ -43,10 +43,11 @@ class InFlight:
     slots: list[int]
     tokens: torch.Tensor  # [B] on the device (the next step's inputs)
     host_tokens: torch.Tensor  # [B] pinned host copy, valid once ``done`` has completed
-    done: "torch.cuda.Event"
+    done: "torch.cuda.Event | None"  # None on the CPU: the copy is complete when launched
 
     def read(self) -> list[int]:
-        self.done.synchronize()
+        if self.done is not None:
+            self.done.synchronize()
         return self.host_tokens.tolist()
 
 
@@ -107,10 +108,13 @@ class ModelRunner:
         seqs = list(batch.decode)
         result = self._execute_graph(batch, previous)
         tokens = result.logits.argmax(-1)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)  # queued now, so reading it waits for this step only
-        done = torch.cuda.Event()
-        done.record()
+        gpu = tokens.is_cuda
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=gpu)
+        host.copy_(tokens, non_blocking=gpu)  # queued now, so reading it waits for this step only
+        done = None
+        if gpu:
+            done = torch.cuda.Event()
+            done.record()
         return InFlight(
             seqs=seqs,
             serials=[s.turn_serial for s in seqs],

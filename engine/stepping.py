@@ -87,10 +87,18 @@ class StepLoop:
             self.finish(seq, "error")
             touched.append(seq)
         if overlap and not batch.empty and self.runner.graph_ok(batch, None):
-            launched = self.runner.launch_decode(batch, self.inflight)
+            previous, self.inflight = self.inflight, None
+            try:
+                launched = self.runner.launch_decode(batch, previous)
+            except Exception as e:  # as below: the pass's requests fail; the step before it completes
+                if previous is not None:
+                    touched += self._complete(previous)
+                touched += self._fail_pass(batch.decode, e)
+                return [self.output(s) for s in touched]
+            self.failed_passes = 0
             for seq in batch.decode:
                 seq.token_ids.append(PENDING)  # its value arrives when this step completes
-            previous, self.inflight = self.inflight, launched
+            self.inflight = launched
             if previous is not None:
                 touched += self._complete(previous)
             return [self.output(s) for s in touched]
@@ -102,7 +110,7 @@ class StepLoop:
             try:
                 result = self._forward(batch)
             except Exception as e:  # the pass's requests fail; _fail_pass re-raises when it is fatal
-                touched += self._fail_pass(batch, e)
+                touched += self._fail_pass(_seqs_of(batch), e)
                 return [self.output(s) for s in touched]
             self.failed_passes = 0
             for sid, rows in result.prompt_logits.items():
@@ -151,17 +159,18 @@ class StepLoop:
         self.recall.after_pass(batch, result, windows)  # after the methods' own compression
         return result
 
-    def _fail_pass(self, batch, error: Exception) -> list[Sequence]:
-        """A forward pass raised (out of memory, a kernel's error): every request in it fails, its turn
-        rolled back, and the engine steps on for the others. Re-raised (the engine stops) when the passes
-        keep failing (``MAX_FAILED_PASSES``) or when this engine is one rank of a tensor-parallel group,
-        whose other ranks are inside the same pass (the group must go down together)."""
+    def _fail_pass(self, seqs: list[Sequence], error: Exception) -> list[Sequence]:
+        """A forward pass raised (out of memory, a kernel's error; on the run-ahead path too, or when
+        its tokens are read): every request in it (``seqs``) fails, its turn rolled back, and the engine
+        steps on for the others. Re-raised (the engine stops) when the passes keep failing
+        (``MAX_FAILED_PASSES``) or when this engine is one rank of a tensor-parallel group, whose other
+        ranks are inside the same pass (the group must go down together)."""
         from engine.distributed import group
 
         self.failed_passes += 1
         if group.active() or self.failed_passes >= MAX_FAILED_PASSES:
             raise error
-        seqs = [s for s in _seqs_of(batch) if not s.finished]
+        seqs = [s for s in seqs if not s.finished]
         log.error(
             "a forward pass failed (%d in a row): failing its %d request(s): %r", self.failed_passes, len(seqs), error
         )
@@ -191,7 +200,11 @@ class StepLoop:
 
     def _complete(self, inflight: InFlight) -> list[Sequence]:
         """Wait for a launched step's tokens and take them in (stop checks, text, outputs)."""
-        tokens = inflight.read()  # waits for that step only, not for the one launched after it
+        try:
+            tokens = inflight.read()  # waits for that step only, not for the one launched after it
+        except Exception as e:  # the launched step failed on the device (an error surfacing late)
+            current = [s for s, serial in zip(inflight.seqs, inflight.serials) if s.turn_serial == serial]
+            return self._fail_pass(current, e)
         now = time.monotonic()
         done = []
         for seq, serial, at, tok in zip(inflight.seqs, inflight.serials, inflight.slots, tokens):

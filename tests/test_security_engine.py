@@ -6,8 +6,9 @@ on a tiny random model:
 * a failure injected into one sequence's sampling fails that request alone (finish "failed", its turn
   rolled back) while the other sessions in the batch finish exactly as they would alone, and the failed
   session takes its next turn;
-* a forward pass that raises fails the requests in it (their turns rolled back) and the engine steps on;
-  passes that keep failing stop it;
+* a forward pass that raises fails the requests in it (their turns rolled back) and the engine steps on,
+  on the run-ahead decode path too (driven on the CPU by eager stand-in graphs); passes that keep failing
+  stop it;
 * prefix sharing is partitioned by scope (the tenant): a session reuses a prefix of its own scope only;
   an explicitly public prefix is shared.
 """
@@ -22,7 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import engine.sampling as sampling
+from engine.attention.paged import PagedAttention
 from engine.config import EngineConfig
+from engine.lifecycle import MethodSpec
 from engine.llm import LLMEngine
 from engine.sampling import SamplingError, SamplingParams, sample
 
@@ -198,6 +201,92 @@ def test_a_failed_forward_pass_fails_its_requests_and_the_engine_steps_on(tiny_e
         assert outs["a"].token_ids == expected
     assert run_turn(eng, "b", long_prompt, greedy).token_ids == expected_b
     assert eng.loop.failed_passes == 0
+    for sid in ("a", "b"):
+        eng.end_session(sid)
+    assert eng.stats()["pages_free"] == free_at_start
+
+
+class EagerDecodeGraphs:
+    """DecodeGraphs' contract (``max_batch``, ``run``) computed eagerly, so that the run-ahead decode path
+    (``ModelRunner.launch_decode``, ``StepLoop`` one step ahead) runs on the CPU."""
+
+    max_batch = 64
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.replays = 0
+
+    def run(self, input_ids, positions, rows, slot_mapping, method=None):
+        r = self.runner
+        seq_at = {slot: sid for sid, slot in r.manager._slot_of.items()}
+        ids = [seq_at[int(row)] for row in rows]
+        attend = PagedAttention(
+            r.manager, r.controller, r.backend, r.scale, ids, (positions + 1).tolist(), [], slot_mapping, positions
+        )
+        self.replays += 1
+        return r.model(input_ids, positions, attend)
+
+
+@pytest.mark.parametrize("where", ["replay", "compaction"])
+def test_a_failed_run_ahead_step_fails_its_requests_and_the_engine_steps_on(tiny_engine_config, monkeypatch, where):
+    """The run-ahead decode path shares the ordinary path's failure handling: a launched step that raises
+    (in the replay, or out of memory in the eviction compaction after it) fails the requests in it, their
+    turns rolled back, the step before it still completes, and the engine steps on. Dense sessions then
+    continue exactly as if the failed turn had never run; streaming_llm keeps what it evicted from the
+    history during the failed turn (ChainCache.abort_turn), so there only the session without history
+    repeats the reference exactly."""
+    method = None if where == "replay" else MethodSpec("streaming_llm", budget=24, method_args={"slack": 2})
+    first, second, other = list(range(10, 50)), list(range(60, 75)), list(range(100, 130))
+    greedy = SamplingParams(max_tokens=12)
+    ref = LLMEngine(tiny_engine_config)
+    expected_first = run_turn(ref, "a", first, greedy, method=method).token_ids
+    expected = run_turn(ref, "a", second, greedy).token_ids
+    expected_b = run_turn(ref, "b", other, greedy, method=method).token_ids
+
+    eng = LLMEngine(tiny_engine_config)
+    graphs = eng.loop.runner.graphs = EagerDecodeGraphs(eng.loop.runner)
+    free_at_start = eng.stats()["pages_free"]
+    assert run_turn(eng, "a", first, greedy, method=method).token_ids == expected_first  # run ahead, on the CPU
+    assert graphs.replays >= 10
+    state = {"launches": 0, "in_launch": False, "failed": 0}
+    real_launch, real_run, real_take = eng.loop.runner.launch_decode, graphs.run, eng.pool.format.take_tokens
+
+    def launch(batch, previous):
+        state["launches"] += 1
+        state["in_launch"] = len(batch.decode) == 2  # a and b decode together, one step ahead
+        try:
+            return real_launch(batch, previous)
+        finally:
+            state["in_launch"] = False
+
+    def fault(real):
+        def faulty(*args, **kwargs):
+            if state["in_launch"] and state["launches"] >= 3 and not state["failed"]:
+                state["failed"] += 1
+                raise torch.OutOfMemoryError("injected: CUDA out of memory")
+            return real(*args, **kwargs)
+
+        return faulty
+
+    monkeypatch.setattr(eng.loop.runner, "launch_decode", launch)
+    if where == "replay":
+        monkeypatch.setattr(graphs, "run", fault(real_run))
+    else:  # the eviction decided after the replay: compaction's gather runs out of memory
+        monkeypatch.setattr(eng.pool.format, "take_tokens", fault(real_take))
+    eng.add_turn("b", other, greedy, method=method)
+    outs = _run_together(eng, {"a": (second, greedy)})
+    while "b" not in outs:
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert state["failed"] == 1
+    assert all(o.finish_reason == "failed" and "injected" in o.error for o in outs.values())
+    assert eng.totals["finished_failed"] == 2 and eng.loop.failed_passes == 1 and eng.loop.inflight is None
+    assert eng.session_info("a")["turn_index"] == 1 and eng.session_info("b")["turn_index"] == 0
+    # rolled back: the same turns again give the reference's tokens, one step ahead again
+    replays = graphs.replays
+    retried = run_turn(eng, "a", second, greedy)
+    assert retried.finish_reason == "length" and (method is not None or retried.token_ids == expected)
+    assert run_turn(eng, "b", other, greedy, method=method).token_ids == expected_b
+    assert eng.loop.failed_passes == 0 and graphs.replays > replays
     for sid in ("a", "b"):
         eng.end_session(sid)
     assert eng.stats()["pages_free"] == free_at_start

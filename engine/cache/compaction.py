@@ -79,6 +79,40 @@ def _set(mask: torch.Tensor, row: torch.Tensor, col: torch.Tensor, device) -> No
     mask[to_device(row, mask.device), to_device(col, mask.device)] = True
 
 
+COMPACTION_CHUNK_BYTES = 512 << 20
+"""Working memory a compaction takes at a time on the pool's device: its rows are carried out in
+chunks whose masks, indices and moved tokens fit in this (at least one row a chunk), so a batch's
+compaction needs no more temporary memory however large the batch. Only rows that write pages a
+fork shares move together, in one chunk of their own. Gathering every moved token of a batch at
+once asked for 52 GiB (425 streaming_llm sessions of Llama-3.1-8B at a 2,048 budget)."""
+
+_CELL_BYTES = 32
+"""Working memory per token position of a chunk's rows: the clipped mask, its int64 ranks and
+comparisons, and the rows' page tables and page masks (fewer entries than positions)."""
+
+_INDEX_BYTES = 96
+"""Working memory per moved token besides its K/V (``KVFormat.moved_token_bytes``): its source and
+destination slots, row, column and rank (int64)."""
+
+
+@dataclass
+class _Rows:
+    """Rows of one compaction (host int64 ``[n]`` each): the cache row, its length, its protected
+    leading tokens and, once counted, its new length and its leading run."""
+
+    slots: torch.Tensor
+    layers: torch.Tensor
+    heads: torch.Tensor
+    old: torch.Tensor
+    protect: torch.Tensor | None
+    new: torch.Tensor | None = None
+    lead: torch.Tensor | None = None
+
+    def __getitem__(self, idx) -> "_Rows":
+        pick = lambda x: None if x is None else x[idx]  # noqa: E731
+        return _Rows(*(pick(getattr(self, f)) for f in ("slots", "layers", "heads", "old", "protect", "new", "lead")))
+
+
 def compact(
     manager,
     slots: torch.Tensor,
@@ -90,8 +124,8 @@ def compact(
     """Keep ``keep[r]`` of row ``(slots[r], layers[r], heads[r])`` (host int64 ``[R]`` each, rows
     distinct, none with pages on the host tier; ``keep`` ``[R, T]`` bool on the pool's device, ``T``
     at least the longest row). ``protect`` ``[R]`` (host): leading tokens each row keeps whatever
-    the mask says."""
-    pool, P, dev = manager.pool, manager.page_size, manager.device
+    the mask says. Carried out a chunk of rows at a time (``COMPACTION_CHUNK_BYTES``)."""
+    pool = manager.pool
     R = int(slots.numel())
     if R == 0:
         return CompactionResult()
@@ -99,51 +133,129 @@ def compact(
     T = keep.shape[1]
     if int(old.max()) > T:
         raise ValueError(f"the keep mask covers {T} tokens; a row holds {int(old.max())}")
-    t = torch.arange(T, device=keep.device)
-    keep = keep & (t[None, :] < to_device(old, keep.device)[:, None])
-    if protect is not None and bool((protect > 0).any()):
-        keep = keep | (t[None, :] < to_device(protect.long(), keep.device)[:, None])
-    lead = (~keep).int().cumsum(1).eq(0).sum(1)  # tokens before the first evicted one
-    stats = torch.stack([keep.sum(1), lead]).cpu()  # the one device -> host copy
-    new, lead = stats[0], stats[1].minimum(old)
-    changed = new < old
-    if not bool(changed.any()):
+    if protect is not None and not bool((protect > 0).any()):
+        protect = None
+    rows = _Rows(slots, layers, heads, old, None if protect is None else protect.long())
+    budget, row_bytes = COMPACTION_CHUNK_BYTES, T * _CELL_BYTES
+    every_row = torch.full((R,), row_bytes)
+
+    # each row's kept count and leading run (the tokens before its first evicted one, which stay
+    # put): chunk by chunk on the device, then the one device -> host copy
+    parts = []
+    for a, b in _chunks(every_row, budget):
+        k = _clipped(keep[a:b], rows[a:b])
+        parts.append(torch.stack([k.sum(1), (~k).int().cumsum(1).eq(0).sum(1)]))
+    stats = torch.cat(parts, 1).cpu()
+    rows.new, rows.lead = stats[0], stats[1].minimum(old)
+    changed = (rows.new < old).nonzero().flatten()
+    if changed.numel() == 0:
         return CompactionResult()
-    rows = changed.nonzero().flatten()
-    slots, layers, heads, old, new, lead = slots[rows], layers[rows], heads[rows], old[rows], new[rows], lead[rows]
-    keep = keep[to_device(rows, keep.device)] if len(rows) < R else keep
 
-    maxp = max(1, int(ceil_div(int(old.max()), P)))
-    table = manager.tables[slots, layers, heads, :maxp].long()  # [R', maxp] host
-    col = torch.arange(maxp)[None, :]
-    new_np, old_np = ceil_div(new, P)[:, None], ceil_div(old, P)[:, None]
-    tail = (col >= new_np) & (col < old_np) & (table >= 0)
-    written = (col >= (lead // P)[:, None]) & (col < new_np) & (table >= 0)
+    # the pages each row frees and writes; refuse before changing anything when the copy-on-write
+    # pages cannot be had (they can come from the tails this frees)
+    cow = tails = 0
+    shares = torch.zeros(changed.numel(), dtype=torch.bool)  # the row writes a page another owner reads
+    for a, b in _chunks(every_row[changed], budget):
+        pages = _Pages(manager, rows[changed[a:b]])
+        cow += int(pages.written_shared.sum())
+        tails += int(pages.tail.sum())
+        shares[a:b] = pages.written_shared.any(1)
+    if cow > pool.num_free + tails:
+        raise OutOfPages(f"compaction needs {cow} copy-on-write pages, {pool.num_free} free")
 
-    # the copy-on-write pages can come from the tails this frees: refuse before changing anything
-    written_shared = written & (pool.refcount[table.clamp(min=0)] > 1)
-    if int(written_shared.sum()) > pool.num_free + int(tail.sum()):
-        raise OutOfPages(f"compaction needs {int(written_shared.sum())} copy-on-write pages, {pool.num_free} free")
     sink = getattr(manager, "evict_sink", None)
-    if sink is not None:  # the recall tier keeps what is evicted (engine/recall.py)
-        sink.capture(slots, layers, heads, ~keep & (t[None, :] < to_device(old, keep.device)[:, None]), table)
+    if sink is not None:  # the recall tier keeps what is evicted (engine/recall.py), before pages are reused
+        for a, b in _chunks(every_row[changed], budget):
+            sub = rows[changed[a:b]]
+            k = _clipped(keep[to_device(changed[a:b], keep.device)], sub)
+            sink.capture(sub.slots, sub.layers, sub.heads, ~k & _inside(k, sub), _Pages(manager, sub).table)
+    free_before = pool.num_free
+    # rows that write only pages of their own move a chunk at a time: no other row reads those pages
+    own = changed[~shares]
+    moved = (rows.new - rows.lead)[own] * (pool.format.moved_token_bytes + _INDEX_BYTES)
+    for a, b in _chunks(row_bytes + moved, budget):
+        _move(manager, keep, own[a:b], rows)
+    # rows that write pages a fork shares (copy-on-write, or a page another row's freed tail held)
+    # move together, after the others: every token they move is read before any such page is written
+    if bool(shares.any()):
+        _move(manager, keep, changed[shares], rows)
+    removed = (old - rows.new)[changed]
+    return CompactionResult(pages_freed=pool.num_free - free_before, tokens_removed=int(removed.sum()))
 
-    # device: sources of the tokens that move (at or after each row's leading run) and their ranks
-    movers = keep & (t[None, :] >= to_device(lead, keep.device)[:, None])
-    n_move = int((new - lead).sum())
+
+def _chunks(costs: torch.Tensor, budget: int) -> list[tuple[int, int]]:
+    """Consecutive spans ``[a, b)`` of rows whose ``costs`` (host) add up to at most ``budget``,
+    at least one row each."""
+    csum = costs.cumsum(0)
+    out, a, base = [], 0, 0
+    while a < len(costs):
+        b = max(a + 1, int(torch.searchsorted(csum, base + budget, right=True)))
+        out.append((a, b))
+        base, a = int(csum[b - 1]), b
+    return out
+
+
+def _inside(keep: torch.Tensor, rows: _Rows) -> torch.Tensor:
+    """``[n, T]``: the positions each row holds."""
+    t = torch.arange(keep.shape[1], device=keep.device)
+    return t[None, :] < to_device(rows.old, keep.device)[:, None]
+
+
+def _clipped(keep: torch.Tensor, rows: _Rows) -> torch.Tensor:
+    """The rows' keep mask cut to each row's length, its protected tokens kept."""
+    t = torch.arange(keep.shape[1], device=keep.device)
+    k = keep & (t[None, :] < to_device(rows.old, keep.device)[:, None])
+    if rows.protect is not None:
+        k |= t[None, :] < to_device(rows.protect, keep.device)[:, None]
+    return k
+
+
+class _Pages:
+    """The page lists of some rows (host) and which of their entries the compaction frees (``tail``:
+    past the new end) and rewrites (``written``: from the leading run's page to the new end)."""
+
+    def __init__(self, manager, rows: _Rows):
+        P = manager.page_size
+        maxp = max(1, int(ceil_div(int(rows.old.max()), P)))
+        self.table = manager.tables[rows.slots, rows.layers, rows.heads, :maxp].long()
+        col = torch.arange(maxp)[None, :]
+        new_np, old_np = ceil_div(rows.new, P)[:, None], ceil_div(rows.old, P)[:, None]
+        held = self.table >= 0
+        self.tail = (col >= new_np) & (col < old_np) & held
+        self.written = (col >= (rows.lead // P)[:, None]) & (col < new_np) & held
+        self.written_shared = self.written & (manager.pool.refcount[self.table.clamp(min=0)] > 1)
+
+
+def _move(manager, keep: torch.Tensor, idx: torch.Tensor, rows: _Rows) -> None:
+    """Carry out the rows ``idx`` (indices into ``rows`` and ``keep``): their kept tokens at or after
+    the leading run move to index ``j`` (their rank among the row's kept tokens) in one gather and
+    one scatter, their tails go back to the pool, and the pages they write that another owner still
+    reads are copied first."""
+    pool, P, dev = manager.pool, manager.page_size, manager.device
+    if idx.numel() == 0:
+        return
+    rows = rows[idx]
+    k = _clipped(keep[to_device(idx, keep.device)], rows)
+    pages = _Pages(manager, rows)
+    table, tail = pages.table, pages.tail
+
+    # device: sources of the tokens that move and their ranks
+    t = torch.arange(k.shape[1], device=k.device)
+    movers = k & (t[None, :] >= to_device(rows.lead, k.device)[:, None])
+    n_move = int((rows.new - rows.lead).sum())
     r, tt = _nonzero(movers, n_move)
-    rank = (keep.long().cumsum(1) - 1)[r, tt]
+    rank = (k.long().cumsum(1) - 1)[r, tt]
+    del k, movers
     table_d = to_device(table, dev)
     src = table_d[r, tt // P] * P + tt % P
     moved_kv = pool.format.take_tokens(src)  # queued before any page below is reused
     moved_pos = pool.pos.view(-1)[src]
 
     # host: free the tails, then copy-on-write the written pages another owner still reads
-    free_before = pool.num_free
     new_table = table.clone()
     pool.decref(table[tail])
     new_table[tail] = -1
-    shared = written_shared & (pool.refcount[table.clamp(min=0)] > 1)  # a tail just freed may have been its twin
+    shared = pages.written_shared & (pool.refcount[table.clamp(min=0)] > 1)  # a freed tail may have been its twin
     if bool(shared.any()):
         old_pages = table[shared]
         fresh = pool.alloc(old_pages.numel())
@@ -155,8 +267,7 @@ def compact(
         pool.format.put_tokens(dst, moved_kv)
         pool.pos.view(-1)[dst] = moved_pos
 
-    manager.set_rows(slots, layers, heads, new_table.to(torch.int32), new.to(torch.int32))
-    return CompactionResult(pages_freed=pool.num_free - free_before, tokens_removed=int((old - new).sum()))
+    manager.set_rows(rows.slots, rows.layers, rows.heads, new_table.to(torch.int32), rows.new.to(torch.int32))
 
 
 def _nonzero(mask: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:

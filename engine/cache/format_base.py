@@ -102,6 +102,13 @@ class KVFormat:
         off = slots % P
         return k[inv, off], v[inv, off]
 
+    @property
+    def moved_token_bytes(self) -> int:
+        """Working memory one token moved by ``take_tokens`` / ``put_tokens`` takes (eviction compaction
+        sizes its chunks by it). Here: the pages the token is read from and written to, dequantized to
+        float32 with their temporaries; a format that moves tokens in their stored form says less."""
+        return 8 * self.head_dim * 4
+
     def take_tokens(self, slots: torch.Tensor) -> Any:
         """The stored form of tokens, for ``put_tokens`` (eviction compaction moves tokens)."""
         return self.read_tokens(slots)

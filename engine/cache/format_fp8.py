@@ -72,6 +72,10 @@ class FP8Format(KVFormat):
             self._dequantize(self.vq.view(-1, D)[slots], self.vs.view(-1)[slots]),
         )
 
+    @property
+    def moved_token_bytes(self) -> int:
+        return 2 * self.head_dim + 2 * 2  # codes and scales, as stored
+
     def take_tokens(self, slots):
         D = self.head_dim
         return (

@@ -56,6 +56,10 @@ class PlainFormat(KVFormat):
         D = self.head_dim
         return self.k.view(-1, D)[slots], self.v.view(-1, D)[slots]
 
+    @property
+    def moved_token_bytes(self) -> int:
+        return 2 * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
     def take_tokens(self, slots):
         return self.read_tokens(slots)
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cache.compaction import COMPACTION_CHUNK_BYTES
 from engine.cache.transfer import to_device
 from engine.lifecycle import KeepMask, MethodError, PrefillChunk, SparseMethod, recent_and_sink
 from engine.methods.registry import register
@@ -73,10 +74,17 @@ class StreamingLLM(SparseMethod):
         if not bool((longest > limit + self.params.slack).any()):
             return None
         due = (longest > limit).nonzero().flatten()  # the whole batch evicts together
-        n = to_device(lengths[due].long(), self.shape.device)
+        n = to_device(lengths[due].long(), self.shape.device)[..., None]
         b = to_device(budgets[due], n.device)[:, None, None, None]
         sink = b.clamp(max=self.params.n_sink)
         t = torch.arange(int(lengths[due].max()), device=n.device)
-        n = n[..., None]
-        mask = (t < sink) | ((t >= n - (b - sink)) & (t < n))
+        mask = torch.empty(*n.shape[:3], len(t), dtype=torch.bool, device=n.device)
+        # sink + the recent window, written in place a few sequences at a time: the temporaries stay
+        # within compaction's working memory however large the batch
+        step = max(1, COMPACTION_CHUNK_BYTES // max(1, mask[0].numel()))
+        for i in range(0, len(due), step):
+            j = slice(i, i + step)
+            torch.ge(t, n[j] - (b[j] - sink[j]), out=mask[j])
+            mask[j] &= t < n[j]
+            mask[j] |= t < sink[j]
         return KeepMask([seqs[i].seq_id for i in due.tolist()], mask)
