@@ -11,6 +11,7 @@ sessions and nothing else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import TYPE_CHECKING, AsyncIterator
 
@@ -47,8 +48,10 @@ class SessionBackend:
         ``on_complete(session, completion)``: called before the turn's snapshot is taken."""
         tenant = self.tenant(authorization)
         self.server.client.check_serving()
-        async for event in self.server.turns.run(tenant, request, None, on_complete):
-            yield event
+        turn = self.server.turns.run(tenant, request, None, on_complete)
+        async with contextlib.aclosing(turn):  # closed with this one: its turn is released at once
+            async for event in turn:
+                yield event
 
     # --- sessions -----------------------------------------------------------------------------------
     def key(self, tenant: str, session_id: str) -> str:
