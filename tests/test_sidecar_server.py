@@ -33,6 +33,14 @@ TURNS = [
 C = grpc.StatusCode
 
 
+def fresh(stub, session: str) -> None:
+    """End ``session`` (here and in the store) if it exists: the test starts it anew (and can be repeated)."""
+    try:
+        stub.EndSession(pb.EndSessionRequest(session_id=session), metadata=ALPHA)
+    except grpc.RpcError as e:
+        assert e.code() == C.NOT_FOUND, e.details()
+
+
 @pytest.fixture(scope="module")
 def replicas(redis_proc):
     """Sidecars A and B (processes), started together."""
@@ -183,6 +191,7 @@ def test_a_turn_sent_right_after_a_rejected_or_cancelled_one_is_not_refused_as_b
     cancelled one is rolled back before the next turn takes the session. Either way the next Turn,
     sent at once, runs (before: ABORTED, "a turn is already running", 1-4 times in 5)."""
     _, stub, _ = local
+    fresh(stub, "again")
     run(stub, request("again", TURNS[0], max_tokens=2))
     tools = [pb.Tool(name="lookup", description="Look a word up.", parameters_json='{"type": "object"}')]
     too_long = [("user", "fruit " * (smol_engine.max_model_len + 10))]
@@ -214,6 +223,7 @@ def test_a_turn_that_arrives_before_the_cancel_of_the_running_one_waits_for_its_
     session still held, waits for the running turn and runs once it is rolled back."""
     server, stub, _ = local
     turns = server.server.turns
+    fresh(stub, "late")
     run(stub, request("late", TURNS[0], max_tokens=2))
 
     async def completion(turn) -> pb.TurnCompletion:
@@ -242,6 +252,7 @@ def test_many_turns_sent_right_after_a_rejected_cancelled_or_expired_one_all_run
     tools = [pb.Tool(name="lookup", description="Look a word up.", parameters_json='{"type": "object"}')]
     too_long = [("user", "fruit " * (smol_engine.max_model_len + 10))]
     long_turn = request("stress", TURNS[3], max_tokens=300, ignore_eos=True)
+    fresh(stub, "stress")
     run(stub, request("stress", TURNS[0], max_tokens=2))
     turn_index = 1
     try:
