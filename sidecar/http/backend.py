@@ -131,10 +131,13 @@ class SessionBackend:
 
     async def find_transcript(self, index: StoredTranscripts, tenant: str, digests: list[bytes]) -> Found | None:
         """``index.find`` off the event loop; a store that cannot be reached finds nothing."""
-        from sidecar.store_errors import StoreError
+        from sidecar.store_errors import StoreError, StoreUnavailable
 
         try:
             return await asyncio.to_thread(index.find, tenant, digests)
+        except StoreUnavailable as e:  # logged once a minute while the store is down
+            self.server.store_failed(e, "reading the transcript index (a new session was started)")
+            return None
         except StoreError as e:
             log.warning("the store's transcript index cannot be read (%s); starting a new session", e)
             return None
