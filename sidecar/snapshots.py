@@ -199,6 +199,8 @@ class SnapshotWriter:
                     log.error("snapshot of %s refused: %s", key, e)
                     self._failed(key, "refused")
                     return
+            if self.store_health is not None:
+                self.store_health.answered()
             session.committed_generation = generation
             session.committed_front_changes = front_changes
             session.snapshot_error = None

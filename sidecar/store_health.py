@@ -4,7 +4,8 @@ A replica whose store is down cannot load, resume or commit sessions, so it shou
 work: ``SidecarServer`` reports gRPC health NOT_SERVING (and the HTTP front's ``/health`` 503)
 while ``up`` is False, and SERVING again once the store answers. ``watch`` pings the store every
 ``interval_s`` (``SessionStore.ping``, off the event loop) and calls ``on_change(up)`` when the
-answer changes, with one log line each way.
+answer changes, with one log line each way; a snapshot committed meanwhile (``answered``) counts as
+an answer too, so health is SERVING again by the time a pending snapshot is seen committed.
 
 While the store is down every request that needs it fails (gRPC UNAVAILABLE, HTTP 503), and so
 does every snapshot the writer retries. ``failed`` is where those failures are logged: one
@@ -57,6 +58,10 @@ class StoreHealth:
         while True:
             await asyncio.sleep(self.interval_s)
             await self.check()
+
+    def answered(self) -> None:
+        """A store operation just succeeded (a snapshot committed): the store is up, whatever the last ping said."""
+        self._set(True, None)
 
     def failed(self, error: BaseException, what: str = "a request") -> None:
         """``what`` failed because the store could not be reached: logged at most every ``log_every_s``."""

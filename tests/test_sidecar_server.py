@@ -372,10 +372,11 @@ def test_redis_down_turns_still_run_snapshot_pending_then_written(local, replica
         with pytest.raises(grpc.RpcError) as e:
             b.stub.Resume(pb.ResumeRequest(session_id="down"), metadata=ALPHA)
         assert e.value.code() == C.UNAVAILABLE
-        assert serving(channel)
+        wait_for(lambda: not serving(channel), what="health NOT_SERVING while the store is down (issue 30)")
     finally:
         redis_proc.start()
     wait_for(lambda: committed(stub, "down"), what="the pending snapshot to be written")
+    assert serving(channel)  # the store answered the snapshot
     meta = redis_proc.client().hgetall("chainkv:{alpha/down}:meta")
     assert int(meta[b"turn_index"]) == 2
     # B now resumes the session at turn 2; after its turn, SIGTERM drains and flushes before exiting
