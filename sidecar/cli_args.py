@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the folder sessions/ under $CHAINKV_CACHE or ~/.cache/chainkv)",
     )
     g.add_argument(
+        "--allow-store-down",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="start even when the store does not answer: gRPC health NOT_SERVING (HTTP /health 503) "
+        "until it does; without it, an unreachable store stops the start (exit code 2)",
+    )
+    g.add_argument(
         "--session-ttl-s",
         "--store-ttl",
         dest="session_ttl_s",

@@ -1,7 +1,10 @@
 """``chainkv serve``: the server's settings from the command line, then the engine served until SIGTERM/SIGINT.
 
-The settings (engine config, ``ServerOptions``, session store, authenticator) are checked, and the
-port tried, before the model is loaded. With tensor parallelism, rank 0 of the launched engine runs
+The settings (engine config, ``ServerOptions``, session store, authenticator) are checked before
+the model is loaded: the TLS files parse, every port (gRPC, ``--http-port``, ``--metrics-port``)
+can be bound, and the store answers (or, with ``--allow-store-down``, the server starts with health
+NOT_SERVING until it does). Every port is bound before "serving" is printed. Whatever fails gives
+one line on stderr and exit code 2. With tensor parallelism, rank 0 of the launched engine runs
 ``serve_engine`` (engine/distributed/launcher.py).
 """
 
@@ -22,6 +25,8 @@ def _serve_setup(args: argparse.Namespace):
     from sidecar.logs import setup_logging
     from sidecar.protocol import Limits
     from sidecar.serve_config import apply_settings
+    from sidecar.endpoint import check_tls_files
+    from sidecar.ports import check_free
     from sidecar.server import ServerOptions
     from sidecar.store import StoreError, open_store
 
@@ -44,16 +49,42 @@ def _serve_setup(args: argparse.Namespace):
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,
+            allow_store_down=args.allow_store_down,
             tenant_limits=TenantLimits(
                 args.max_sessions_per_tenant, args.max_tokens_per_turn, TenantLimits.parse_overrides(args.tenant_limit)
             ),
         )
+        check_tls_files(options)
+        check_free(
+            [
+                ("--port", args.host, args.port),
+                ("--http-port", args.http_host or args.host, args.http_port),
+                ("--metrics-port", args.metrics_host, args.metrics_port),
+            ]
+        )
         store = open_store(args.store, ttl_s=args.session_ttl_s, hmac_keys=load_keys(args.snapshot_hmac_key_file))
-        check_port_free(args.host, args.port)
+        if store is not None and not args.allow_store_down:
+            try:
+                store.ping()
+            except StoreError as e:
+                raise StoreError(
+                    f"the session store {store.describe()} cannot be reached ({e}); start it, or pass "
+                    f"--allow-store-down to serve with health NOT_SERVING until it answers"
+                ) from None
     except (ValueError, OSError, StoreError) as e:
-        print(f"chainkv: {e}", file=sys.stderr)
+        print(f"chainkv: {one_line(e)}", file=sys.stderr)
         return 2
     return config, options, store, auth
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def _startup_failed(e: BaseException) -> SystemExit:
+    """A port, TLS file or store that failed after the setup's checks (taken meanwhile): one line, exit 2."""
+    print(f"chainkv: {one_line(e)}", file=sys.stderr, flush=True)
+    return SystemExit(2)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -77,7 +108,10 @@ def serve_engine(engine, args: argparse.Namespace, setup=None) -> None:
     import asyncio
     import signal
 
+    from engine.config import ConfigError
+    from sidecar.ports import PortUnavailable
     from sidecar.server import ServerHooks, SidecarServer
+    from sidecar.store import StoreError
 
     if setup is None:
         setup = _serve_setup(args)
@@ -85,34 +119,48 @@ def serve_engine(engine, args: argparse.Namespace, setup=None) -> None:
             raise SystemExit(setup)
     config, options, store, auth = setup
     hooks = ServerHooks()
+    metrics_port = None
     if args.metrics_port is not None:
         from sidecar.metrics import MetricsHooks
 
         hooks = MetricsHooks(engine)
-        metrics_port = hooks.serve(args.metrics_port, args.metrics_host)
-        print(f"chainkv: metrics on http://{args.metrics_host}:{metrics_port}/metrics", flush=True)
+        try:
+            metrics_port = hooks.serve(args.metrics_port, args.metrics_host)
+        except OSError as e:
+            raise _startup_failed(
+                PortUnavailable(f"--metrics-port: cannot listen on {args.metrics_host}:{args.metrics_port}: {e}")
+            ) from None
 
     async def main() -> None:
         server = SidecarServer(engine, options, store, hooks)
-        port = await server.start()
+        http = None
+        try:
+            port = await server.start()
+            if args.http_port is not None:
+                from sidecar.http.app import HttpFront, HttpOptions
+
+                http = HttpFront(
+                    server,
+                    HttpOptions(
+                        host=args.http_host or args.host, port=args.http_port, served_model_name=args.served_model_name
+                    ),
+                )
+                http_port = await http.start()
+        except (ConfigError, OSError, StoreError) as e:
+            await server.stop(grace=0)
+            raise _startup_failed(e) from None
+        # every port is bound: announce them (metrics first, HTTP last: what scripts wait for)
+        if metrics_port is not None:
+            print(f"chainkv: metrics on http://{args.metrics_host}:{metrics_port}/metrics", flush=True)
         tp = f", tensor parallel {config.tensor_parallel_size}" if config.tensor_parallel_size > 1 else ""
+        down = "" if server.serving else "; the store does not answer: health NOT_SERVING until it does"
         print(
             f"chainkv: serving chainkv.v1.Sidecar on {args.host}:{port} (model {engine.model_dir.name}, "
             f"method {config.method}, device {engine.device}{tp}, store {store.describe() if store else 'none'}, "
-            f"auth {'on' if auth.enabled else 'off'}, snapshot hmac {'on' if store and store.hmac_keys else 'off'})",
+            f"auth {'on' if auth.enabled else 'off'}, snapshot hmac {'on' if store and store.hmac_keys else 'off'}{down})",
             flush=True,
         )
-        http = None
-        if args.http_port is not None:
-            from sidecar.http.app import HttpFront, HttpOptions
-
-            http = HttpFront(
-                server,
-                HttpOptions(
-                    host=args.http_host or args.host, port=args.http_port, served_model_name=args.served_model_name
-                ),
-            )
-            http_port = await http.start()
+        if http is not None:
             print(
                 f"chainkv: serving the OpenAI-compatible HTTP API on http://{args.http_host or args.host}:{http_port}/v1 "
                 f"(model {http.app.state.backend.model_name})",
@@ -145,17 +193,3 @@ def serve_engine(engine, args: argparse.Namespace, setup=None) -> None:
 
     asyncio.run(main())
     print("chainkv: stopped", flush=True)
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Raise OSError when ``host:port`` cannot be bound (checked before the model is loaded)."""
-    import socket
-
-    if port == 0:
-        return
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError as e:
-            raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None

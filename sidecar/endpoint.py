@@ -8,6 +8,8 @@ when a client CA is given).
 
 from __future__ import annotations
 
+import re
+import ssl
 from pathlib import Path
 
 import grpc
@@ -23,13 +25,42 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+def check_tls_files(options: ServerOptions) -> None:
+    """Raise ConfigError (one line) unless the options' TLS files are readable PEM: a certificate
+    chain and its own private key, and a CA file if one is given (grpc would only fail to bind)."""
+    o = options
+    if not (o.tls_cert or o.tls_key or o.tls_client_ca):
+        return
+    if not (o.tls_cert and o.tls_key):
+        raise ConfigError("TLS needs both a certificate (--tls-cert) and a key (--tls-key)")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(o.tls_cert, o.tls_key, password=lambda: b"")  # never a prompt for a passphrase
+    except OSError as e:  # ssl.SSLError is an OSError too
+        raise ConfigError(
+            f"--tls-cert {o.tls_cert} / --tls-key {o.tls_key}: {_tls_reason(e, 'a PEM certificate chain and its private key')}"
+        ) from None
+    if o.tls_client_ca:
+        try:
+            ctx.load_verify_locations(o.tls_client_ca)
+        except OSError as e:
+            raise ConfigError(f"--tls-client-ca {o.tls_client_ca}: {_tls_reason(e, 'a PEM CA certificate')}") from None
+
+
+def _tls_reason(e: OSError, expected: str) -> str:
+    """One line on why ``ssl`` refused a file (its source location dropped)."""
+    if not isinstance(e, ssl.SSLError):
+        return e.strerror or str(e)
+    detail = re.sub(r"\s*\(_ssl\.c:\d+\)", "", str(e.args[1]) if len(e.args) > 1 else str(e))
+    return f"not {expected} ({detail})"
+
+
 def server_credentials(options: ServerOptions) -> grpc.ServerCredentials | None:
     """TLS credentials from the options' PEM files; None for plaintext."""
     o = options
     if not (o.tls_cert or o.tls_key):
         return None
-    if not (o.tls_cert and o.tls_key):
-        raise ConfigError("TLS needs both a certificate and a key")
+    check_tls_files(o)
     ca = Path(o.tls_client_ca).read_bytes() if o.tls_client_ca else None
     return grpc.ssl_server_credentials(
         [(Path(o.tls_key).read_bytes(), Path(o.tls_cert).read_bytes())],
@@ -60,9 +91,12 @@ class GrpcEndpoint:
         enable_reflection([SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server)
         address = f"{o.host}:{o.port}"
         creds = server_credentials(o)
-        port = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
+        try:
+            port = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
+        except RuntimeError:  # grpc's "Failed to bind"
+            port = 0
         if not port:
-            raise ConfigError(f"cannot listen on {address}")
+            raise ConfigError(f"--port: cannot listen on {address}")
         await server.start()
         self._server, self.port = server, port
         await self.set_health(SERVING)

@@ -42,8 +42,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             dest=f.name,
             type=_flag_type(hints[f.name]),
             default=None,
-            help=f"{docs.get(f.name, '')} (default: {f.default})",
+            help=f"{docs.get(f.name, '')} (default: {_default_text(f)})",
         )
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    """A field's default as its flag would be written (a list: comma-separated, as the flag takes it)."""
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    if isinstance(default, (list, tuple)):
+        return ",".join(str(v) for v in default)
+    return str(default).replace("%", "%%")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -69,7 +77,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _field_docs() -> dict[str, str]:
-    """The docstring under each EngineConfig field (first line), for --help."""
+    """The docstring under each EngineConfig field (its first paragraph, on one line), for --help."""
     import ast
     import inspect
 
@@ -82,5 +90,6 @@ def _field_docs() -> dict[str, str]:
             and isinstance(nxt, ast.Expr)
             and isinstance(getattr(nxt, "value", None), ast.Constant)
         ):
-            docs[node.target.id] = str(nxt.value.value).strip().splitlines()[0].replace("%", "%%")
+            paragraph = str(nxt.value.value).strip().split("\n\n")[0]
+            docs[node.target.id] = " ".join(paragraph.split()).replace("%", "%%")
     return docs

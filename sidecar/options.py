@@ -50,6 +50,11 @@ class ServerOptions:
     tls_key: str | None = None
     tls_client_ca: str | None = None
     """With a CA file, clients must present a certificate it signed (mutual TLS)."""
+    allow_store_down: bool = False
+    """Start even when the store does not answer (health NOT_SERVING until it does); False: refuse
+    to start (``SidecarServer.start`` raises StoreUnavailable)."""
+    store_check_s: float = 2.0
+    """How often the store is pinged; while it does not answer, health is NOT_SERVING."""
 
     def __post_init__(self) -> None:
         for name in ("session_idle_s", "session_ttl_s"):

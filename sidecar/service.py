@@ -12,6 +12,7 @@ the handler a ``BadMessage`` instead of failing inside gRPC, which would answer 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -142,13 +143,20 @@ class SidecarService:
 
     # --- Turn --------------------------------------------------------------------------------------------
     async def Turn(self, request, context):
+        """Written with ``context.write``, not as an async generator: grpc cancels this coroutine
+        when the client goes away, also while an event is being sent, and the turn's events are
+        closed (rolled back) at once. An async-generator handler cancelled there is left suspended
+        and its turn held until the generator is garbage-collected."""
         t0 = time.monotonic()
         code = grpc.StatusCode.CANCELLED
         try:
             tenant = self._begin(request, context)
-            async for event in self.turns.run(tenant, request, self._deadline(context)):
-                yield event
+            async with contextlib.aclosing(self.turns.run(tenant, request, self._deadline(context))) as events:
+                async for event in events:
+                    await context.write(event)
             code = grpc.StatusCode.OK
+        except grpc.aio.BaseError:  # grpc's own (a write to a client that left, a stopped server): it handles them
+            raise
         except Exception as e:
             code = status_for(e)
             if code is grpc.StatusCode.INTERNAL:

@@ -27,8 +27,9 @@ class Running:
     done: asyncio.Future
     """Resolves to the recorded completion bytes, or None when the turn did not finish."""
     settling: bool = False
-    """Its caller is gone (cancelled, deadline) and the turn is being rolled back: the session is
-    about to be released, so a request for it waits (``get_settled``) instead of being refused."""
+    """The turn will not finish (its caller is gone, or it failed) and is being rolled back: a
+    request that waited for the session (``get_settled``) takes it once it is released, instead of
+    being refused."""
     digest: str = ""
     """The request's content digest (sidecar.validation.request_digest)."""
 

@@ -3,8 +3,10 @@
 Session keys (tenant-scoped ids) are ``sidecar.session_ids``; the per-session record the manager
 keeps (``Session``, ``Running``) is ``sidecar.session_record``.
 
-Ordering. One turn runs on a session at a time: ``begin_turn`` takes the session (a second Turn,
-a prune or a fork meanwhile gets ABORTED) and ``end_turn`` releases it. Loading a session from the
+Ordering. One turn runs on a session at a time: ``begin_turn`` takes the session and ``end_turn``
+releases it. A second Turn, a prune or a fork meanwhile waits for the running turn to end
+(``get_settled``): it runs if that turn was rolled back (its caller went away), and gets ABORTED
+if that turn finished. Loading a session from the
 store is serialized per key, so two requests racing for an unknown session load it once.
 
 Idempotency. Each finished turn is recorded by its ``request_id`` (the serialized
@@ -55,7 +57,7 @@ class SessionManager:
     ):
         self.engine = engine
         self.settle_wait_s = settle_wait_s
-        """How long a request waits for an abandoned turn on its session to be rolled back."""
+        """How long a request waits for the turn running on its session to end (``get_settled``)."""
         self.store = store
         self.end_of_turn_id = end_of_turn_id
         self.idempotency_window = idempotency_window
@@ -114,7 +116,7 @@ class SessionManager:
                 if not s.stale and s.committed_generation is not None and stored.generation <= s.committed_generation:
                     return s  # the store holds nothing newer than this replica
                 if s.busy:
-                    raise SessionBusy(f"a turn is already running on session {key!r}")
+                    raise SessionBusy(f"a turn is already running on session {key.split('/')[-1]!r}")
                 await self._drop_local(s)
             return await self._load(key)
 
@@ -127,10 +129,15 @@ class SessionManager:
         deadline: float | None = None,
         request_id: str = "",
     ) -> Session:
-        """``get``, once a turn whose caller went away has been rolled back and the session released
-        (a client that cancels a turn and sends the next at once is not refused as busy). Waits at
-        most ``settle_wait_s`` (or to ``deadline``); a session still held after that is returned
-        busy, and taking it raises SessionBusy."""
+        """``get``, once the turn running on the session (if any) has ended. A request for a busy
+        session waits for that turn (at most ``settle_wait_s``, or to ``deadline``): the client may
+        have cancelled it, and gRPC may hand the server the next request before that cancel (the two
+        travel separately), so the running turn alone tells whether the session is free. If it was
+        rolled back (its caller went away, or it failed) the session is looked up again and this
+        request takes it; if it finished, this request came while it ran and is refused
+        (SessionBusy, ABORTED). A retry of the running turn's own ``request_id`` is returned at once
+        (``TurnRunner`` waits for and replays that turn). A session still held after the wait is
+        returned busy, and taking it raises SessionBusy."""
         until = time.monotonic() + self.settle_wait_s
         if deadline is not None:
             until = min(until, deadline)
@@ -140,13 +147,15 @@ class SessionManager:
             )
             running = s.running
             left = until - time.monotonic()
-            if running is None or not running.settling or left <= 0:
+            if running is None or left <= 0 or (request_id and running.request_id == request_id):
                 return s
             try:
                 await asyncio.wait_for(asyncio.shield(running.done), left)
             except asyncio.TimeoutError:
                 return s
-            # the session may have been dropped (a first turn that never ran): look it up again
+            if not running.settling:  # it finished (or a fork or prune did): this request came while it ran
+                raise SessionBusy(f"a turn is already running on session {key.split('/')[-1]!r}")
+            # rolled back, the session released (or dropped: a first turn that never ran): look it up again
 
     def _store_behind(self, s: Session, stored) -> bool:
         """The store holds less than this replica committed for ``s`` (it lost or rolled back data):

@@ -6,10 +6,15 @@
     await server.stop()          # health NOT_SERVING, drain running turns, flush snapshots
 
 It owns one ``EngineClient`` (the engine thread), one ``SessionManager``, the ``SnapshotWriter``
-when there is a store, the ``TurnRunner``, the ``SidecarService`` and its ``GrpcEndpoint``, and a
-janitor that frees idle sessions whose snapshots are committed. Another front (an HTTP app) serves
-the same sessions in the same process through ``server.turns`` (``TurnRunner.run_args``),
-``server.sessions`` and ``server.client``.
+and the ``StoreHealth`` watch when there is a store, the ``TurnRunner``, the ``SidecarService`` and
+its ``GrpcEndpoint``, and a janitor that frees idle sessions whose snapshots are committed. Another
+front (an HTTP app) serves the same sessions in the same process through ``server.turns``
+(``TurnRunner.run_args``), ``server.sessions`` and ``server.client``.
+
+Health is SERVING while the engine runs, the server is not draining and the store answers
+(``serving``). A store that does not answer at ``start`` stops it (StoreUnavailable) unless
+``ServerOptions.allow_store_down``; then, and whenever the store goes away later, health is
+NOT_SERVING until it answers again.
 """
 
 from __future__ import annotations
@@ -20,16 +25,17 @@ import time
 
 from engine.llm import LLMEngine
 from sidecar.chat import ChatRenderer
-from sidecar.endpoint import NOT_SERVING, GrpcEndpoint
+from sidecar.endpoint import NOT_SERVING, SERVING, GrpcEndpoint
 from sidecar.engine_client import EngineClient
 from sidecar.hooks import ServerHooks
 from sidecar.options import ServerOptions
 from sidecar.service import SidecarService
 from sidecar.session_record import Session
-from sidecar.sessions import SessionManager
+from sidecar.sessions import SessionManager, StoreBehind
 from sidecar.snapshots import SnapshotWriter
 from sidecar import transcript_index
 from sidecar.store import SessionStore, StoreUnavailable
+from sidecar.store_health import StoreHealth
 from sidecar.turns import TurnRunner
 from sidecar.validation import BYTES_PER_TOKEN
 
@@ -61,6 +67,8 @@ class SidecarServer:
         self.turns: TurnRunner | None = None
         self.service: SidecarService | None = None
         self._janitor: asyncio.Task | None = None
+        self.store_health: StoreHealth | None = None
+        self._store_watch: asyncio.Task | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> int:
@@ -68,6 +76,14 @@ class SidecarServer:
         if o.limits.max_turn_bytes is None:
             o.limits.max_turn_bytes = BYTES_PER_TOKEN * self.client.model.max_model_len
         self._stopped = asyncio.Event()
+        if self.store is not None:
+            self.store_health = StoreHealth(
+                self.store, interval_s=o.store_check_s, on_change=lambda up: self._health_changed()
+            )
+            if not await self.store_health.check() and not o.allow_store_down:
+                raise StoreUnavailable(
+                    f"the session store {self.store.describe()} cannot be reached ({self.store_health.last_error})"
+                )
         self.client.start(asyncio.get_running_loop())
         self.hooks.on_start(self.client)
         self.sessions = SessionManager(
@@ -86,6 +102,7 @@ class SidecarServer:
                 max_pending=o.snapshot_queue,
                 retry_max_s=o.snapshot_retry_max_s,
                 hooks=self.hooks,
+                store_health=self.store_health,
             )
             self.writer.start()
         self.turns = TurnRunner(
@@ -110,17 +127,37 @@ class SidecarServer:
             draining=lambda: self.draining,
         )
         self.port = await self.endpoint.start(self.service.handlers())
+        if not self.serving:
+            await self.endpoint.set_health(NOT_SERVING)
+        if self.store_health is not None:
+            self._store_watch = asyncio.create_task(self.store_health.watch(), name="chainkv-store-health")
         self._janitor = asyncio.create_task(self._janitor_loop(), name="chainkv-janitor")
         log.info(
-            "chainkv sidecar serving on %s:%d (store: %s)",
+            "chainkv sidecar: gRPC listening on %s:%d (store: %s)",
             o.host,
             self.port,
             self.store.describe() if self.store else "none",
         )
         return self.port
 
+    @property
+    def serving(self) -> bool:
+        """Health SERVING: the engine runs, the server is not draining, the store (if any) answers."""
+        store_up = self.store_health is None or self.store_health.up
+        return not self.draining and self.client.failed is None and store_up
+
     def _engine_failed(self, error: BaseException) -> None:
         asyncio.ensure_future(self.endpoint.set_health(NOT_SERVING))
+
+    def _health_changed(self) -> None:
+        if self.service is not None:
+            asyncio.ensure_future(self.endpoint.set_health(SERVING if self.serving else NOT_SERVING))
+
+    def store_failed(self, error: BaseException, what: str) -> None:
+        """``what`` failed because the store did not answer: logged at most once a minute, without a
+        traceback (``StoreHealth.failed``). A store that is only behind a client is no outage."""
+        if self.store_health is not None and not isinstance(error, StoreBehind):
+            self.store_health.failed(error, what)
 
     async def stop(self, grace: float | None = None) -> None:
         """Graceful shutdown: NOT_SERVING, refuse new turns, let running ones finish (``grace``),
@@ -128,8 +165,10 @@ class SidecarServer:
         if self.service is None:
             return
         grace = self.options.grace_s if grace is None else grace
-        await self.endpoint.set_health(NOT_SERVING)
         self.draining = True
+        await self.endpoint.set_health(NOT_SERVING)
+        if self._store_watch is not None:
+            self._store_watch.cancel()
         until = time.monotonic() + grace
         while self.sessions.active_turns and time.monotonic() < until:
             await asyncio.sleep(0.05)
@@ -191,5 +230,7 @@ class SidecarServer:
                 await asyncio.to_thread(transcript_index.sweep, self.store)
             except asyncio.CancelledError:
                 raise
+            except StoreUnavailable as e:
+                self.store_failed(e, "the janitor's pass")
             except Exception:
                 log.exception("janitor pass failed")

@@ -30,6 +30,7 @@ from sidecar.engine_client import EngineClient
 from sidecar.sessions import SessionManager
 from sidecar.snapshot_codec import join_snapshot, split_snapshot
 from sidecar.store import GenerationConflict, SessionStore, StoredSession, StoreError, StoreUnavailable
+from sidecar.store_health import StoreHealth
 
 __all__ = ["SnapshotWriter", "join_snapshot", "split_snapshot"]  # the codec's home: sidecar.snapshot_codec
 
@@ -48,6 +49,7 @@ class SnapshotWriter:
         retry_base_s: float = 0.2,
         retry_max_s: float = 5.0,
         hooks: Any = None,
+        store_health: StoreHealth | None = None,
     ):
         self.store = store
         self.client = engine
@@ -55,6 +57,8 @@ class SnapshotWriter:
         self.with_kv = with_kv
         self.retry_base_s, self.retry_max_s = retry_base_s, retry_max_s
         self.hooks = hooks
+        self.store_health = store_health
+        """Where a write that found the store down is logged (at most once a minute); None: each one."""
         self._queue: asyncio.Queue[str] = asyncio.Queue(maxsize=max_pending)
         self._queued: set[str] = set()
         self._busy = 0
@@ -132,7 +136,10 @@ class SnapshotWriter:
                     session.snapshot_error = str(e)
                 self._failed(key, "unavailable")
                 delay = min(self.retry_max_s, self.retry_base_s * 2 ** min(failures - 1, 20))
-                log.warning("snapshot of %s not written (%s); retrying in %.1fs", key, e, delay)
+                if self.store_health is not None:
+                    self.store_health.failed(e, f"the snapshot of {key}")
+                else:
+                    log.warning("snapshot of %s not written (%s); retrying in %.1fs", key, e, delay)
                 await asyncio.sleep(delay)
                 if self.sessions.local(key) is not None:
                     self.mark_dirty(key)
@@ -192,6 +199,8 @@ class SnapshotWriter:
                     log.error("snapshot of %s refused: %s", key, e)
                     self._failed(key, "refused")
                     return
+            if self.store_health is not None:
+                self.store_health.answered()
             session.committed_generation = generation
             session.committed_front_changes = front_changes
             session.snapshot_error = None

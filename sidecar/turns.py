@@ -12,9 +12,13 @@ then the chain undoes the turn) before the session is released:
 - it failed (a bad message, a prompt over quota, a full KV pool, EndSession stopping it): the
   release is awaited *before* the error propagates, so by the time the client sees the status the
   session is free and its next Turn is not refused as busy;
-- its caller went away (cancel, deadline): the handler is being cancelled and cannot wait, so the
-  release runs as its own task and the session is marked settling; a request that arrives for the
-  session meanwhile waits for the release (``SessionManager.get_settled``).
+- its caller went away (cancel, deadline, or the stream closed: every caller closes the events'
+  generator, ``contextlib.aclosing``, so this happens at once and not when the generator is
+  garbage-collected): the handler is being cancelled and cannot wait, so the release runs as its
+  own task and the session is marked settling.
+
+Either way a request that arrives for the session while the turn runs waits for it to end
+(``SessionManager.get_settled``): the client's cancel may reach the server after its next request.
 
 ``TurnState`` carries the turn through this: the session taken, the request, and the recorded
 completion once there is one.
@@ -23,6 +27,7 @@ completion once there is one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -105,15 +110,17 @@ class TurnRunner:
         """The events of one Turn RPC for ``tenant``; raises what ``status_for`` turns into a code.
         ``on_complete``: see ``TurnState.on_complete``."""
         args = parse_turn(request, self.limits)
-        async for event in self.run_args(
+        turn = self.run_args(
             tenant,
             args,
             deadline,
             max_tokens_given=request.HasField("max_tokens"),
             digest=request_digest(request),
             on_complete=on_complete,
-        ):
-            yield event
+        )
+        async with contextlib.aclosing(turn):  # closed with this one: its turn is released at once
+            async for event in turn:
+                yield event
 
     async def run_args(
         self,
@@ -155,8 +162,9 @@ class TurnRunner:
                 raise
         state = TurnState(session=s, key=key, args=args, running=running, on_complete=on_complete)
         try:
-            async for event in self._generate(state):
-                yield event
+            async with contextlib.aclosing(self._generate(state)) as events:
+                async for event in events:
+                    yield event
         except Exception:
             if not state.finished:  # release before the error reaches the client
                 await asyncio.shield(self._release_later(state))

@@ -18,7 +18,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -29,6 +29,8 @@ from sidecar.http.chat_completions import ChatCompletions
 from sidecar.http.errors import OpenAIError
 from sidecar.http.requests import body_object
 from sidecar.http.responses_api import Responses
+from sidecar.ports import bind
+from sidecar.store_errors import StoreUnavailable
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.server import SidecarServer
@@ -48,9 +50,10 @@ class HttpOptions:
     max_body_bytes: int = 4 * 2**20
 
 
-def _openai_errors(route):
+def _openai_errors(route, store_failed: Callable[[BaseException, str], None]):
     """Any exception a route raises becomes its OpenAI error here (a handler for plain exceptions would
-    run in Starlette's outermost middleware, which logs every 4xx as a server failure)."""
+    run in Starlette's outermost middleware, which logs every 4xx as a server failure). 5xx are logged,
+    but a store that does not answer goes to ``store_failed`` (one line a minute, no traceback)."""
 
     @functools.wraps(route)
     async def wrapped(*args, **kwargs):
@@ -60,7 +63,9 @@ def _openai_errors(route):
             raise
         except Exception as e:  # noqa: BLE001 - mapped to its status; 5xx are logged
             err = errors.from_exception(e)
-            if err.status >= 500:
+            if isinstance(e, StoreUnavailable):
+                store_failed(e, "an HTTP request")
+            elif err.status >= 500:
                 log.exception("HTTP request failed")
             raise err from None
 
@@ -75,6 +80,7 @@ def build_app(server: "SidecarServer", options: HttpOptions | None = None) -> Fa
     responses = Responses(backend)
     app = FastAPI(title="chainkv", docs_url=None, redoc_url=None, openapi_url=None)
     errors.install(app)
+    guard = functools.partial(_openai_errors, store_failed=server.store_failed)
     app.state.backend, app.state.chat, app.state.responses = backend, chat, responses
     created = int(time.time())
 
@@ -102,18 +108,18 @@ def build_app(server: "SidecarServer", options: HttpOptions | None = None) -> Fa
 
     @app.get("/health")
     async def health():
-        if server.draining or server.client.failed is not None:
+        if not server.serving:  # draining, the engine failed, or the store does not answer
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
-    @_openai_errors
+    @guard
     async def list_models(authorization: str | None = Header(None)):
         backend.tenant(authorization)
         return {"object": "list", "data": [model_card()]}
 
     @app.get("/v1/models/{model_id:path}")
-    @_openai_errors
+    @guard
     async def get_model(model_id: str, authorization: str | None = Header(None)):
         backend.tenant(authorization)
         if model_id != model:
@@ -123,7 +129,7 @@ def build_app(server: "SidecarServer", options: HttpOptions | None = None) -> Fa
         return model_card()
 
     @app.post("/v1/chat/completions")
-    @_openai_errors
+    @guard
     async def chat_completions(
         request: Request, authorization: str | None = Header(None), x_session_id: str | None = Header(None)
     ):
@@ -133,7 +139,7 @@ def build_app(server: "SidecarServer", options: HttpOptions | None = None) -> Fa
         return StreamingResponse(out, media_type="text/event-stream", headers=SSE_HEADERS)
 
     @app.post("/v1/responses")
-    @_openai_errors
+    @guard
     async def create_response(request: Request, authorization: str | None = Header(None)):
         out = await responses.create(await body(request), authorization)
         if isinstance(out, dict):
@@ -141,12 +147,12 @@ def build_app(server: "SidecarServer", options: HttpOptions | None = None) -> Fa
         return StreamingResponse(out, media_type="text/event-stream", headers=SSE_HEADERS)
 
     @app.get("/v1/responses/{response_id}")
-    @_openai_errors
+    @guard
     async def get_response(response_id: str, authorization: str | None = Header(None)):
         return await responses.get(response_id, authorization)
 
     @app.delete("/v1/responses/{response_id}")
-    @_openai_errors
+    @guard
     async def delete_response(response_id: str, authorization: str | None = Header(None)):
         return await responses.delete(response_id, authorization)
 
@@ -178,13 +184,15 @@ class HttpFront:
         )
         self._server = uvicorn.Server(config)
         self._server.capture_signals = contextlib.nullcontext  # the sidecar owns SIGINT / SIGTERM
-        self._task = asyncio.create_task(self._server.serve(), name="chainkv-http")
+        # bound here, so a port in use is one PortUnavailable (uvicorn would log it and exit the process)
+        sock = bind(o.host, o.port, "--http-port")
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="chainkv-http")
         while not self._server.started:
             if self._task.done():
+                sock.close()
                 self._task.result()  # raises why it could not start
                 raise OSError(f"cannot serve HTTP on {o.host}:{o.port}")
             await asyncio.sleep(0.02)
-        sock = self._server.servers[0].sockets[0]
         self.port = sock.getsockname()[1]
         log.info("chainkv OpenAI-compatible HTTP on %s:%d", o.host, self.port)
         return self.port

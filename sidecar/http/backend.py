@@ -11,6 +11,7 @@ sessions and nothing else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import TYPE_CHECKING, AsyncIterator
 
@@ -47,8 +48,10 @@ class SessionBackend:
         ``on_complete(session, completion)``: called before the turn's snapshot is taken."""
         tenant = self.tenant(authorization)
         self.server.client.check_serving()
-        async for event in self.server.turns.run(tenant, request, None, on_complete):
-            yield event
+        turn = self.server.turns.run(tenant, request, None, on_complete)
+        async with contextlib.aclosing(turn):  # closed with this one: its turn is released at once
+            async for event in turn:
+                yield event
 
     # --- sessions -----------------------------------------------------------------------------------
     def key(self, tenant: str, session_id: str) -> str:
@@ -128,10 +131,13 @@ class SessionBackend:
 
     async def find_transcript(self, index: StoredTranscripts, tenant: str, digests: list[bytes]) -> Found | None:
         """``index.find`` off the event loop; a store that cannot be reached finds nothing."""
-        from sidecar.store_errors import StoreError
+        from sidecar.store_errors import StoreError, StoreUnavailable
 
         try:
             return await asyncio.to_thread(index.find, tenant, digests)
+        except StoreUnavailable as e:  # logged once a minute while the store is down
+            self.server.store_failed(e, "reading the transcript index (a new session was started)")
+            return None
         except StoreError as e:
             log.warning("the store's transcript index cannot be read (%s); starting a new session", e)
             return None
