@@ -99,7 +99,7 @@ def main() -> None:
     forced = tool_call_constraint([joke])
 
     def check_call(text: str) -> None:
-        parser = ToolCallParser()
+        parser = ToolCallParser([joke.name])
         calls = [v for k, v in parser.feed(text) + parser.finish() if k == "tool_call"]
         assert len(calls) == 1, text
         jsonschema.validate(json.loads(calls[0].arguments_json), JOKE)

@@ -16,6 +16,7 @@ ids) stay allowed, so the reply ends where the structure ends.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -222,6 +223,17 @@ def _force_whole_token(row: torch.Tensor, m: Matcher) -> None:
     row[word] = (1 << bit) - (1 << 32 if bit == 31 else 0)  # int32 words: bit 31 is the sign bit
 
 
+_NATIVE_NOISE = re.compile(
+    r"\[\d{1,2}:\d{2}:\d{2}(?:\.\d+)?\]\s*|[\w./\\~-]*\.(?:cc|cpp|cxx|c|h|hpp|cu|cuh|py):\d+:?\s*"
+)
+"""What a native library's error prefixes to its message: a time stamp and the source file and line it was
+built from (``[19:08:20] /project/cpp/json_schema_converter.cc:5082: ``)."""
+
+
 def _short(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return (text[-1] if text else type(e).__name__)[:300]
+    """The library's message alone, for the client: its first line without time stamps or source paths."""
+    for line in str(e).splitlines():
+        text = _NATIVE_NOISE.sub("", line).strip()
+        if text:
+            return text[:300]
+    return type(e).__name__

@@ -295,7 +295,7 @@ def test_smollm2_forced_tool_calls_are_well_formed(smol_engine):
         prompts, [SamplingParams(max_tokens=90, temperature=0.5, seed=i, constraint=c) for i in range(len(prompts))]
     )
     for o in outs:
-        parser = ToolCallParser()
+        parser = ToolCallParser([t.name for t in tools])
         events = parser.feed(o.text) + parser.finish()
         calls = [v for k, v in events if k == "tool_call"]
         assert o.finish_reason == "stop" and len(calls) == 1, o.text
