@@ -9,13 +9,16 @@ sampling, its row of the logits gets the matcher's token bitmask (every token th
 the grammar goes to -inf, ``apply_masks``); after sampling, the matcher accepts the token
 (``advance``). Where the grammar forces the next text, only the first of its whole vocabulary tokens,
 longest first, stays allowed (``_force_whole_token``): forced text is written in tokens close to
-the model tokenizer's own split. Once the grammar is complete only the stop tokens (the engine's EOS
+the model tokenizer's own split. A JSON string that starts repeating itself is closed
+(engine/string_loop_guard.py: a small model's loop inside a free string would otherwise run to
+``max_tokens`` and never parse). Once the grammar is complete only the stop tokens (the engine's EOS
 ids) stay allowed, so the reply ends where the structure ends.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -23,11 +26,15 @@ from typing import Any
 
 import torch
 
+from engine.string_loop_guard import StringLoopGuard, closing_words
+
 KINDS = ("json_object", "json_schema", "regex", "grammar")
 MAX_SPEC_CHARS = 256 * 1024
 """The longest schema, regex or grammar text a constraint may carry."""
 MAX_AFFIX_CHARS = 256
 MAX_JSON_DEPTH = 64
+STRING_LOOP_WINDOW = 8
+"""A JSON string whose last this many tokens already appeared in it is closed (0: never)."""
 
 
 class ConstraintError(ValueError):
@@ -105,6 +112,7 @@ class GrammarBackend:
         stop_token_ids: set[int],
         cache_size: int = 256,
         forced_whole_tokens: bool = True,
+        string_loop_window: int = STRING_LOOP_WINDOW,
     ):
         try:
             import xgrammar as xgr
@@ -116,12 +124,16 @@ class GrammarBackend:
         self._xgr = xgr
         self.forced_whole_tokens = forced_whole_tokens
         """Text the grammar forces is written in whole vocabulary tokens (``_force_whole_token``)."""
+        self.string_loop_window = string_loop_window
+        """JSON constraints: a string that repeats a run of this many tokens is closed (0: off)."""
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids
         )
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=2)
+        self._token_bytes = list(self.info.decoded_vocab)
+        self._closing = closing_words(self._token_bytes, vocab_size)
         self._cache: OrderedDict[Constraint, Any] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -165,7 +177,10 @@ class GrammarBackend:
 
     def matcher(self, c: Constraint, extra_stop_ids: list[int] | None = None) -> "Matcher":
         stops = sorted(set(self.stop_token_ids) | set(extra_stop_ids or []))
-        return Matcher(self._xgr.GrammarMatcher(self.compile(c), override_stop_tokens=stops))
+        guard = None
+        if self.string_loop_window > 0 and c.kind in ("json_object", "json_schema"):
+            guard = StringLoopGuard(self._token_bytes, self.string_loop_window)
+        return Matcher(self._xgr.GrammarMatcher(self.compile(c), override_stop_tokens=stops), guard)
 
     def apply_masks(self, logits: torch.Tensor, matchers: list["Matcher | None"]) -> None:
         """Mask, in place, the rows of ``logits`` ``[M, V]`` that belong to constrained sequences."""
@@ -176,6 +191,11 @@ class GrammarBackend:
         bitmask = xgr.allocate_token_bitmask(len(logits), self.vocab_size)
         for i in rows:
             matchers[i].inner.fill_next_token_bitmask(bitmask, i)
+            guard = matchers[i].guard
+            if guard is not None and guard.must_close:
+                closing = bitmask[i] & self._closing
+                if bool(closing.any()):  # the grammar lets the string end here: it does
+                    bitmask[i] = closing
             if self.forced_whole_tokens:
                 _force_whole_token(bitmask[i], matchers[i])
         if logits.device.type != "cpu":
@@ -186,8 +206,10 @@ class GrammarBackend:
 class Matcher:
     """One sequence's place in its grammar."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, guard: StringLoopGuard | None = None):
         self.inner = inner
+        self.guard = guard
+        """JSON constraints: follows the reply's strings, to close one that loops (or None)."""
         self.rejected = False
         """A token the grammar did not allow was fed (cannot happen through the sampler)."""
 
@@ -201,6 +223,8 @@ class Matcher:
             return False
         ok = bool(self.inner.accept_token(token))
         self.rejected = not ok
+        if ok and self.guard is not None:
+            self.guard.feed(token)
         return ok
 
 
@@ -222,6 +246,17 @@ def _force_whole_token(row: torch.Tensor, m: Matcher) -> None:
     row[word] = (1 << bit) - (1 << 32 if bit == 31 else 0)  # int32 words: bit 31 is the sign bit
 
 
+_NATIVE_NOISE = re.compile(
+    r"\[\d{1,2}:\d{2}:\d{2}(?:\.\d+)?\]\s*|[\w./\\~-]*\.(?:cc|cpp|cxx|c|h|hpp|cu|cuh|py):\d+:?\s*"
+)
+"""What a native library's error prefixes to its message: a time stamp and the source file and line it was
+built from (``[19:08:20] /project/cpp/json_schema_converter.cc:5082: ``)."""
+
+
 def _short(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return (text[-1] if text else type(e).__name__)[:300]
+    """The library's message alone, for the client: its first line without time stamps or source paths."""
+    for line in str(e).splitlines():
+        text = _NATIVE_NOISE.sub("", line).strip()
+        if text:
+            return text[:300]
+    return type(e).__name__

@@ -26,7 +26,13 @@ TOOL_CHOICES = ("auto", "none", "required", "function")
 
 
 class OutputSpecError(ValueError):
-    """A response_format or tool_choice that cannot be honoured (INVALID_ARGUMENT)."""
+    """A response_format or tool_choice that cannot be honoured (INVALID_ARGUMENT). ``field``: the
+    request field at fault, by its gRPC name (``response_format``, ``tool_choice`` or ``tools``); a
+    front names it as its own API does (the Responses API's ``text.format``)."""
+
+    def __init__(self, message: str, field: str = "response_format"):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -44,15 +50,23 @@ class OutputSpec:
         if self.format not in FORMATS:
             raise OutputSpecError(f"response_format type must be one of {', '.join(FORMATS)}, not {self.format!r}")
         if self.tool_choice not in TOOL_CHOICES:
-            raise OutputSpecError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}, not {self.tool_choice!r}")
+            raise OutputSpecError(
+                f"tool_choice must be one of {', '.join(TOOL_CHOICES)}, not {self.tool_choice!r}", "tool_choice"
+            )
         if self.tool_choice == "function" and not self.function_name:
-            raise OutputSpecError("tool_choice function needs the function's name")
+            raise OutputSpecError("tool_choice function needs the function's name", "tool_choice")
         if self.tool_choice != "function" and self.function_name:
-            raise OutputSpecError("a function name goes with tool_choice function only")
+            raise OutputSpecError("a function name goes with tool_choice function only", "tool_choice")
 
     @property
     def forces_tool(self) -> bool:
         return self.tool_choice in ("required", "function")
+
+    @property
+    def constraint_field(self) -> str:
+        """The request field whose grammar the reply follows: a forced call's comes from the tools'
+        parameter schemas, any other from ``response_format``."""
+        return "tools" if self.forces_tool else "response_format"
 
     @property
     def parses_tools(self) -> bool:
@@ -75,18 +89,19 @@ class OutputSpec:
             if self.format == "grammar":
                 return Constraint("grammar", self.grammar)
         except ConstraintError as e:
-            raise OutputSpecError(str(e)) from None
+            raise OutputSpecError(str(e), self.constraint_field) from None
         return None
 
 
 def tool_call_constraint(tools: list[ToolSpec], name: str | None = None) -> Constraint:
     """One Hermes tool call to ``name`` (or to any of ``tools``), its arguments valid for the tool."""
     if not tools:
-        raise OutputSpecError("a forced tool call needs the session's tools (send them with the turn)")
+        raise OutputSpecError("a forced tool call needs the session's tools (send them with the turn)", "tools")
     chosen = [t for t in tools if name is None or t.name == name]
     if not chosen:
         raise OutputSpecError(
-            f"tool_choice names {name!r}, which is not one of the tools ({', '.join(t.name for t in tools)})"
+            f"tool_choice names {name!r}, which is not one of the tools ({', '.join(t.name for t in tools)})",
+            "tool_choice",
         )
     options = [
         {
@@ -107,7 +122,7 @@ def _arguments_schema(tool: ToolSpec) -> dict:
         return {"type": "object", "properties": {}, "additionalProperties": False}
     params.setdefault("type", "object")
     if params.get("type") != "object":
-        raise OutputSpecError(f"tool {tool.name!r}: its parameters must be an object schema to force a call")
+        raise OutputSpecError(f"tool {tool.name!r}: its parameters must be an object schema to force a call", "tools")
     return params
 
 
@@ -121,11 +136,12 @@ def tools_from_meta(entries: list) -> list[ToolSpec]:
     return out
 
 
-def schema_text(schema) -> str:
-    """A JSON Schema given as an object (HTTP) as canonical JSON text."""
+def schema_text(schema, field: str = "response_format") -> str:
+    """A JSON Schema given as an object (HTTP) as canonical JSON text; ``field``: the request field it
+    came from."""
     if isinstance(schema, str):
         return schema
     try:
         return json.dumps(schema, separators=(",", ":"))  # key order kept: properties are written in it
     except (TypeError, ValueError, RecursionError) as e:
-        raise OutputSpecError(f"the JSON schema cannot be serialized: {e}") from None
+        raise OutputSpecError(f"the JSON schema cannot be serialized: {e}", field) from None

@@ -8,12 +8,18 @@ passed through as text (at the end of the reply), so a small model's near-misses
 instead of vanishing; a closing tag inside the arguments' strings does not end the call. At the
 end of a reply, an unclosed ``<tool_call>`` whose body is a complete call (the model stopped
 before the closing tag) still counts.
+
+Only the tools the turn declared can be called: a well-formed call to any other name (a function the
+model made up, or one a user message talked it into writing) stays text, so it never reaches an
+agent as a call to execute. (Under ``tool_choice`` required or a named function the grammar allows
+declared names only; under ``auto`` this parser is what keeps them out.)
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Iterable
 
 from sidecar.validation import loads_bounded
 
@@ -47,11 +53,25 @@ def parse_call(body: str) -> ParsedToolCall | None:
 
 
 class ToolCallParser:
-    """Splits streamed text into ``("text", str)`` and ``("tool_call", ParsedToolCall)`` events."""
+    """Splits streamed text into ``("text", str)`` and ``("tool_call", ParsedToolCall)`` events.
+    ``declared``: the names of the tools the turn may call; a call to any other name is text."""
 
-    def __init__(self) -> None:
+    def __init__(self, declared: Iterable[str]) -> None:
+        self.declared = frozenset(declared)
         self._buf = ""
         self._inside = False
+
+    def _call(self, events: list, body: str, closed: bool) -> bool:
+        """The event of the markup around ``body``: a call to a declared tool, or its text. False when
+        ``body`` does not hold a call at all."""
+        call = parse_call(body)
+        if call is None:
+            return False
+        if call.name in self.declared:
+            events.append(("tool_call", call))
+        else:
+            _text(events, OPEN + body + (CLOSE if closed else ""))
+        return True
 
     def feed(self, text: str) -> list[tuple[str, object]]:
         self._buf += text
@@ -71,23 +91,19 @@ class ToolCallParser:
                 at = _closing(self._buf)
                 if at < 0:  # no closing tag yet, or none after which the body parses: wait for more
                     return events
-                call = parse_call(self._buf[:at])
+                self._call(events, self._buf[:at], closed=True)
                 self._buf = self._buf[at + len(CLOSE) :]
                 self._inside = False
-                events.append(("tool_call", call))
 
     def finish(self) -> list[tuple[str, object]]:
         """The events still held back when the reply ends."""
         events: list[tuple[str, object]] = []
         if self._inside:
             at = _closing(self._buf)
-            call = parse_call(self._buf[:at] if at >= 0 else self._buf)
-            if call is None:
+            if not self._call(events, self._buf[:at] if at >= 0 else self._buf, closed=at >= 0):
                 _text(events, OPEN + self._buf)
-            else:
-                events.append(("tool_call", call))
-                if at >= 0:
-                    _text(events, self._buf[at + len(CLOSE) :])
+            elif at >= 0:
+                _text(events, self._buf[at + len(CLOSE) :])
         else:
             _text(events, self._buf)
         self._buf, self._inside = "", False

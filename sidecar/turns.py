@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from engine.chain import SessionError
+from engine.constrained import ConstraintError
 from engine.llm import CapacityError
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.chat import ChatRenderer, tools_digest
@@ -46,7 +47,7 @@ from sidecar.protocol import FINISH, TIERS, Limits, TurnArgs, parse_turn, tool_c
 from sidecar.session_ids import scoped_key
 from sidecar.session_record import Running, Session
 from sidecar.sessions import SessionManager
-from sidecar.structured import tools_from_meta
+from sidecar.structured import OutputSpecError, tools_from_meta
 from sidecar.tool_calls import PlainText, ToolCallParser
 from sidecar.validation import check_same_request, request_digest
 
@@ -194,7 +195,10 @@ class TurnRunner:
         cached) and before the session is taken, so a bad schema leaves the session untouched."""
         constraint = args.output.constraint(args.tools or tools_from_meta(s.tools))
         if constraint is not None:
-            await asyncio.to_thread(self.client.compile_grammar, constraint)
+            try:
+                await asyncio.to_thread(self.client.compile_grammar, constraint)
+            except ConstraintError as e:  # the schema, regex or grammar the request gave
+                raise OutputSpecError(str(e), args.output.constraint_field) from None
             args.params.constraint = constraint
 
     async def _recorded(self, s: Session, request_id: str) -> bytes | None:
@@ -236,7 +240,8 @@ class TurnRunner:
         if new:
             s.in_engine, s.tools_digest, s.source_tier = True, digest, "new"
             s.tools = [t.openai() for t in args.tools]
-        parser, text, calls = (ToolCallParser() if args.output.parses_tools else PlainText()), [], []
+        declared = [t.name for t in args.tools or tools_from_meta(s.tools)]  # a call to any other name is text
+        parser, text, calls = (ToolCallParser(declared) if args.output.parses_tools else PlainText()), [], []
         turn_index = s.turn_index
         async for delta in stream:
             events = parser.feed(delta.text)

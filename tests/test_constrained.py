@@ -111,6 +111,60 @@ def test_a_forced_token_in_the_top_bit_of_its_bitmask_word():
     assert row.tolist() == [0b10, 0, 0]
 
 
+def test_the_string_loop_guard_follows_quotes_and_escapes():
+    from engine.string_loop_guard import StringLoopGuard, closing_words
+
+    vocab = [b'{"a": "', b"cat", b" is", b"\\", b'"', b'", "', b'"}', b" a", b'\\"']
+    g = StringLoopGuard(vocab, window=2)
+    for t in (0, 1, 2, 1, 2):  # '{"a": "cat is cat is': the run "cat is" came back
+        g.feed(t)
+    assert g.looping and g.must_close
+    g.feed(3)  # a backslash: the next quote would be escaped, not a close
+    assert not g.must_close
+    g.feed(4)  # ... so this quote is text, and the string goes on
+    assert g.in_string
+    g.feed(5)  # '", "' closes it and opens the next: a new string, not looping
+    assert g.in_string and not g.looping and g.tokens == [5]
+    g.feed(6)
+    assert not g.in_string and not g.must_close
+    row = closing_words(vocab, 40)
+    assert [t for t in range(40) if (int(row[t // 32]) >> (t % 32)) & 1] == [4, 5, 6]
+
+
+def test_a_json_string_that_repeats_itself_is_closed(engine):
+    """Once a JSON string's last STRING_LOOP_WINDOW tokens already appeared in it, the mask allows only the
+    tokens that close it (those beginning with a quote that the grammar allows); before the loop the
+    string may go on, and a string the grammar does not let end yet (minLength) is left as it is."""
+    from engine.constrained import STRING_LOOP_WINDOW as W
+
+    loop = engine.tokenizer.encode(" A cat is a cat, and it was a cat," * 4, add_special_tokens=False)
+    # the loop is noticed once its last W tokens are a run that ended earlier in the string
+    noticed = next(i for i in range(W, len(loop)) if tuple(loop[i - W : i]) in _runs(loop[: i - 1], W))
+    for min_length, closes in ((0, True), (1000, False)):
+        text = {"type": "string", "minLength": min_length} if min_length else {"type": "string"}
+        schema = {"type": "object", "properties": {"setup": text, "n": {"type": "integer"}}, "required": ["setup"]}
+        m = engine.grammars.matcher(Constraint.json_schema(schema))
+        while m.inner.find_jump_forward_tokens():  # '{"setup":'
+            assert m.advance(m.inner.find_jump_forward_tokens()[0])
+        assert m.advance(engine.tokenizer.encode(' "', add_special_tokens=False)[0]) and m.guard.in_string
+        for t in loop[:noticed]:
+            assert not m.guard.looping
+            quoted = {engine.tokenizer.decode([a]).startswith('"') for a in _allowed(engine, m)}
+            assert quoted == ({True, False} if closes else {False})
+            assert m.advance(t)
+        assert m.guard.looping, "the loop was not noticed"
+        quoted = {engine.tokenizer.decode([a]).startswith('"') for a in _allowed(engine, m)}
+        assert quoted == ({True} if closes else {False})  # closed at once, or left to the grammar
+        if closes:
+            close = engine.tokenizer.encode('",', add_special_tokens=False)
+            assert len(close) == 1 and close[0] in _allowed(engine, m) and m.advance(close[0])
+            assert not m.guard.looping and not m.guard.in_string
+
+
+def _runs(tokens: list[int], n: int) -> set[tuple[int, ...]]:
+    return {tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)}
+
+
 def test_json_object_and_affixes(engine):
     c = Constraint("json_object", prefix="<tool_call>\n", suffix="\n</tool_call>")
     o = engine.generate(
@@ -295,7 +349,7 @@ def test_smollm2_forced_tool_calls_are_well_formed(smol_engine):
         prompts, [SamplingParams(max_tokens=90, temperature=0.5, seed=i, constraint=c) for i in range(len(prompts))]
     )
     for o in outs:
-        parser = ToolCallParser()
+        parser = ToolCallParser([t.name for t in tools])
         events = parser.feed(o.text) + parser.finish()
         calls = [v for k, v in events if k == "tool_call"]
         assert o.finish_reason == "stop" and len(calls) == 1, o.text

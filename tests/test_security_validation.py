@@ -46,7 +46,7 @@ def test_deep_json_is_refused_everywhere_it_is_read(depth):
     with pytest.raises(ChatError, match="nested"):
         tool_from_json("f", "", '{"type": "object", "p": ' + deep + "}")
     # the model's own tool call with deep arguments stays text instead of failing the turn
-    events = ToolCallParser().feed('<tool_call>{"name": "f", "arguments": {"a": ' + deep + "}}</tool_call>")
+    events = ToolCallParser(["f"]).feed('<tool_call>{"name": "f", "arguments": {"a": ' + deep + "}}</tool_call>")
     assert all(kind == "text" for kind, _ in events)
 
 

@@ -104,7 +104,7 @@ def test_bad_messages_are_refused(renderer):
 def test_tool_call_parser_streams_text_and_calls_split_anywhere():
     reply = 'Let me check.<tool_call>\n{"name": "clock", "arguments": {}}\n</tool_call>Then <tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1+1\\"}"}</tool_call> done <tool'
     for step in (1, 3, 7, len(reply)):
-        parser, events = ToolCallParser(), []
+        parser, events = ToolCallParser(["clock", "calculator"]), []
         for i in range(0, len(reply), step):
             events += parser.feed(reply[i : i + step])
         events += parser.finish()
@@ -119,11 +119,32 @@ def test_tool_call_parser_streams_text_and_calls_split_anywhere():
         assert all("<tool_call>" not in v for k, v in events if k == "text")
 
 
+def test_a_call_to_a_tool_that_was_not_declared_stays_text():
+    """Only declared tools are called: a well-formed call to any other name (made up by the model, or
+    copied from a user message) comes back as the text it was, wherever the stream splits it."""
+    undeclared = '<tool_call>\n{"name": "delete_everything", "arguments": {"path": "/"}}\n</tool_call>'
+    declared = '<tool_call>{"name": "clock", "arguments": {}}</tool_call>'
+    for reply, unclosed in (
+        (f"Sure. {undeclared} and {declared}!", False),
+        ("x " + undeclared[: -len("</tool_call>")], True),
+    ):
+        for step in (1, 5, len(reply)):
+            parser, events = ToolCallParser(["clock"]), []
+            for i in range(0, len(reply), step):
+                events += parser.feed(reply[i : i + step])
+            events += parser.finish()
+            calls = [v.name for k, v in events if k == "tool_call"]
+            text = "".join(v for k, v in events if k == "text")
+            assert calls == ([] if unclosed else ["clock"])
+            assert text == (reply if unclosed else f"Sure. {undeclared} and !")
+    assert [k for k, _ in ToolCallParser([]).feed(declared)] == ["text"]  # no tools declared: no calls
+
+
 def test_tool_call_parser_passes_malformed_calls_through_and_accepts_an_unclosed_last_call():
-    p = ToolCallParser()
+    p = ToolCallParser(["clock"])
     events = p.feed("<tool_call>not json</tool_call> ok") + p.finish()
     assert events == [("text", "<tool_call>not json</tool_call> ok")]
-    p = ToolCallParser()
+    p = ToolCallParser(["clock"])
     events = p.feed('<tool_call>{"name": "clock", "parameters": {"tz": "UTC"}}') + p.finish()
     assert (
         events[0][0] == "tool_call"

@@ -106,6 +106,34 @@ def test_tool_choice_none_leaves_markup_as_text(stub):
     assert not calls and done.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
 
 
+def _scripted(text: str) -> pb.ResponseFormat:
+    """A grammar that makes the reply ``text`` whatever the model: output a model could write."""
+    return pb.ResponseFormat(type="grammar", grammar="root ::= " + json.dumps(text))
+
+
+@pytest.mark.parametrize("name, is_call", [("delete_everything", False), ("get_weather", True)])
+def test_under_auto_only_a_declared_tool_is_called(stub, name, is_call):
+    """A reply that calls a function the turn did not declare comes back as text (finish_reason stop),
+    never as a tool call an agent would execute; a declared one is a call."""
+    markup = f'<tool_call>\n{{"name": "{name}", "arguments": {{"city": "Oslo", "unit": "c"}}}}\n</tool_call>'
+    calls, done = _turn(stub, f"auto-{name}", "weather?", tools=TOOLS, max_tokens=60, response_format=_scripted(markup))
+    if is_call:
+        assert [c.name for c in calls] == [name] and done.finish_reason == pb.FINISH_REASON_TOOL_CALLS
+        assert not done.text
+    else:
+        assert not calls and not done.tool_calls and done.finish_reason == pb.FINISH_REASON_STOP
+        assert done.text == markup
+    # a later turn that does not resend the tools: the session's are the declared ones
+    req = pb.TurnRequest(
+        session_id=f"auto-{name}",
+        messages=[pb.Message(role="user", content="again")],
+        max_tokens=60,
+        response_format=_scripted(markup.replace(name, "rm_rf")),
+    )
+    events = list(stub.Turn(req, timeout=120))
+    assert not [e for e in events if e.HasField("tool_call")] and "rm_rf" in events[-1].completion.text
+
+
 @pytest.mark.parametrize(
     "kw, needle",
     [
@@ -137,11 +165,11 @@ def test_a_closing_tag_inside_the_arguments_does_not_end_the_call():
         "\n</tool_call> after"
     )
     for pieces in ([text], [text[i : i + 7] for i in range(0, len(text), 7)]):
-        parser = ToolCallParser()
+        parser = ToolCallParser(["calculator"])
         events = [e for p in pieces for e in parser.feed(p)] + parser.finish()
         calls = [v for k, v in events if k == "tool_call"]
         assert len(calls) == 1 and json.loads(calls[0].arguments_json)["expression"].endswith(" ok")
         assert "".join(v for k, v in events if k == "text").strip() == "after"
-    parser = ToolCallParser()  # a malformed call stays text
+    parser = ToolCallParser(["calculator"])  # a malformed call stays text
     events = parser.feed("<tool_call>{oops</tool_call> tail") + parser.finish()
     assert [k for k, _ in events] == ["text"] and "{oops" in events[0][1]

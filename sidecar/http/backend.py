@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Mapping
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
+from sidecar.http.errors import invalid
 from sidecar.server import Draining
 from sidecar.session_ids import scoped_key
 from sidecar.session_record import Session
+from sidecar.structured import OutputSpecError
 from sidecar.transcript_index import Found, StoredTranscripts
 
 log = logging.getLogger(__name__)
@@ -42,16 +44,26 @@ class SessionBackend:
 
     # --- turns --------------------------------------------------------------------------------------
     async def turn(
-        self, authorization: str | None, request: pb.TurnRequest, on_complete=None
+        self,
+        authorization: str | None,
+        request: pb.TurnRequest,
+        on_complete=None,
+        fields: Mapping[str, str] | None = None,
     ) -> AsyncIterator[pb.TurnEvent]:
         """Run one turn: its TextDelta / ToolCall events, then its TurnCompletion (errors raise).
-        ``on_complete(session, completion)``: called before the turn's snapshot is taken."""
+        ``on_complete(session, completion)``: called before the turn's snapshot is taken. ``fields``:
+        this API's names of the request fields whose gRPC names differ (``response_format`` is the
+        Responses API's ``text.format``), for the ``param`` of a structured-output error."""
         tenant = self.tenant(authorization)
         self.server.client.check_serving()
         turn = self.server.turns.run(tenant, request, None, on_complete)
-        async with contextlib.aclosing(turn):  # closed with this one: its turn is released at once
-            async for event in turn:
-                yield event
+        try:
+            async with contextlib.aclosing(turn):  # closed with this one: its turn is released at once
+                async for event in turn:
+                    yield event
+        except OutputSpecError as e:  # a schema, tool or tool_choice the grammar cannot be built from
+            param = (fields or {}).get(e.field, e.field)
+            raise invalid(f"{param}: {e}", param) from None
 
     # --- sessions -----------------------------------------------------------------------------------
     def key(self, tenant: str, session_id: str) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.http.errors import OpenAIError, invalid
-from sidecar.structured import schema_text
+from sidecar.structured import OutputSpecError, schema_text
 
 INT32 = 2**31 - 1
 INT64 = 2**63 - 1
@@ -150,7 +150,10 @@ def function_tool(name: Any, description: Any, parameters: Any, where: str) -> p
         raise invalid(f"{where}.description must be a string", where)
     if parameters is not None and not isinstance(parameters, dict):
         raise invalid(f"{where}.parameters must be a JSON Schema object", where)
-    text = schema_text(parameters) if parameters else ""
+    try:
+        text = schema_text(parameters, "tools") if parameters else ""
+    except OutputSpecError as e:
+        raise invalid(f"{where}.parameters: {e}", "tools") from None
     if len(text) > MAX_SCHEMA_CHARS:
         raise invalid(f"{where}.parameters is too large", where)
     return pb.Tool(name=name, description=description or "", parameters_json=text)
@@ -205,7 +208,10 @@ def set_format(req: pb.TurnRequest, fmt: Any, param: str, nested: bool) -> None:
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, (dict, bool)):
             raise invalid(f"{param}: a json_schema format needs its schema (an object)", param)
-        text = schema_text(schema)
+        try:
+            text = schema_text(schema)
+        except OutputSpecError as e:
+            raise invalid(f"{param}: {e}", param) from None
         if len(text) > MAX_SCHEMA_CHARS:
             raise invalid(f"{param}: the schema is too large", param)
         req.response_format.json_schema = text

@@ -79,12 +79,14 @@ class ResponseRun:
             }
             if completion.finish_reason == pb.FINISH_REASON_LENGTH:
                 body["incomplete_details"] = {"reason": "max_output_tokens"}
-        return Response.model_validate(body).model_dump(mode="json", exclude_none=False)
+        # by_alias: the openai types name some fields apart from their JSON key (``text.format``'s
+        # ``schema`` is the attribute ``schema_``); the JSON the client reads has the key
+        return Response.model_validate(body).model_dump(mode="json", by_alias=True, exclude_none=False)
 
     def event(self, kind: str, **fields) -> str:
         data = _EVENT.validate_python(dict(fields, type=kind, sequence_number=self.seq))
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(data.model_dump(mode='json'))}\n\n"
+        return f"event: {kind}\ndata: {json.dumps(data.model_dump(mode='json', by_alias=True))}\n\n"
 
     async def _events(self, turn: AsyncIterator[pb.TurnEvent]) -> AsyncIterator[str]:
         """SSE text of the Responses API's events, while the output items are built."""

@@ -35,8 +35,9 @@ def response_id(session_id: str) -> str:
     return f"resp_{sid}.{uuid.uuid4().hex[:16]}"
 
 
-def session_of(resp_id: Any) -> str:
-    """The session id a response id names (404 for anything that is not one)."""
+def session_of(resp_id: Any, param: str = "response_id") -> str:
+    """The session id a response id names (404 for anything that is not one); ``param``: the request
+    field that gave it."""
     try:
         if not isinstance(resp_id, str) or not resp_id.startswith("resp_") or "." not in resp_id or len(resp_id) > 400:
             raise ValueError
@@ -48,7 +49,7 @@ def session_of(resp_id: Any) -> str:
             404,
             f"No response found with id {str(resp_id)[:200]!r}",
             "invalid_request_error",
-            "response_id",
+            param,
             "response_not_found",
         ) from None
 
@@ -131,7 +132,7 @@ class Responses:
         conv_id = conv.get("id") if isinstance(conv, dict) else conv
         session_new = False
         if prev is not None:
-            sid = session_of(prev)
+            sid = session_of(prev, "previous_response_id")
             s = await b.find(b.key(tenant, sid))
             if s is not None and prev not in s.front.get("responses", {}):
                 # a response this replica has not seen: its session went on elsewhere (the store has it)
@@ -187,7 +188,7 @@ class Responses:
             ephemeral=not store and prev is None and conv_id is None,
             resp_id=response_id(sid),
         )
-        turn = b.turn(authorization, req, run.on_complete)
+        turn = b.turn(authorization, req, run.on_complete, fields={"response_format": "text.format"})
         if stream:
             try:
                 first = await anext(turn)  # an error before the first token still gets its HTTP status
