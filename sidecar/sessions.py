@@ -192,8 +192,8 @@ class SessionManager:
         if create:
             have = max(local.turn_index if here else 0, e.have or 0)
             return TurnIndexMismatch(
-                f"session {sid!r} holds {have} turns, not {expected} (turns were lost: a crash before their "
-                f"snapshot, a store restored from older data); send the messages of the turns after {have} again",
+                f"session {sid!r} is at turn {have}, not {expected}: turns were lost (a crash before their "
+                f"snapshot, a store restored from older data); send the messages after its first {have} turns again",
                 have,
                 expected,
             )

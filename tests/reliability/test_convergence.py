@@ -32,7 +32,7 @@ from agent_adapters.langchain import ChatChainKV
 from agent_adapters.llamaindex import ChainKVLLM
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 
-from tests.sidecar_proc import ALPHA, Sidecar, committed, wait_for
+from tests.sidecar_proc import ALPHA, TOKENS, Sidecar, committed, wait_for
 from tests.tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability]
@@ -82,6 +82,7 @@ class LangChain:
         self.messages.append(HumanMessage(user))
         out = self.llm.invoke(self.messages, config={"configurable": {"thread_id": self.session}})
         self.messages.append(AIMessage(out.content))
+        self.turn_index = out.response_metadata["turn_index"]
         ids = out.response_metadata["token_ids"]
         return Reply(out.content, ids, len(ids))
 
@@ -204,3 +205,29 @@ def test_a_framework_front_continues_a_rolled_back_session_with_the_reference_to
     f = rolled_back.fronts[front]
     got = rolled_back.before[front] + [f.turn(USERS[2]), f.turn(USERS[3])]
     _same(got, rolled_back.reference)
+
+
+def test_a_replica_without_a_store_that_lost_a_session_is_sent_the_whole_conversation_again(smol_engine):
+    """``--store none``: a session the replica no longer holds (a restart, here EndSession) exists
+    nowhere; the sidecar says it is at turn 0 and LangChain's next call sends the whole conversation
+    as a first turn, which continues with the reference's tokens."""
+    from sidecar.auth import Authenticator
+    from sidecar.server import ServerOptions, ServerThread
+
+    srv = ServerThread(smol_engine, ServerOptions(port=0, auth=Authenticator(TOKENS)), None)
+    target = f"127.0.0.1:{srv.start()}"
+    try:
+        reference = Plain(target)
+        reference.session = "mem-reference"
+        ref = [reference.turn(u) for u in USERS[:3]]
+        lc = LangChain(target)
+        lc.session = "mem-lc"
+        got = [lc.turn(USERS[0]), lc.turn(USERS[1])]
+        ChainKVClient(target, token=TOKEN).end_session(lc.session)
+        got.append(lc.turn(USERS[2]))
+        assert lc.turn_index == 0  # the catch-up turn is the session's first
+        _same(got, ref)
+    finally:
+        srv.stop(grace=2)
+        for sid in list(smol_engine.chains.chains):
+            smol_engine.end_session(sid)
