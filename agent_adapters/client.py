@@ -23,6 +23,11 @@ resumes without repeating them: the retried stream's text must extend what was d
 for a replay; a re-run that sampled differently raises ``StreamDiverged``). ``request_id=""``
 turns replay off and with it retries.
 
+Lost turns. A Turn whose ``expected_turn_index`` is ahead of every copy of its session (turns
+acknowledged under ``--durability async`` and lost to a crash, a store restored from older data)
+raises ``ChainKVError`` FAILED_PRECONDITION with ``session_turn_index``, the turns the session
+holds: send every message after them again, with that index (``agent_adapters.conversation`` does).
+
 The retry machinery and errors live in ``agent_adapters.retry``, the TurnRequest and the stream's
 resumption in ``agent_adapters.turns``; their public names are importable from here too.
 

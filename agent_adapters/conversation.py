@@ -6,6 +6,12 @@
 the client's events and records the reply. ``key=None`` is a stateless call: a throwaway session
 that is ended afterwards. A conversation whose history was edited moves to a fresh session, and
 the session it leaves is ended (its KV and snapshot freed) once the fresh one answered.
+
+A turn the sidecar refuses because its session holds fewer turns than the ledger recorded (they
+were lost: ``ChainKVError.session_turn_index``) is sent again at once as the catch-up turn
+``SessionLedger.recover`` plans (every message after the turns the session still holds), so the
+framework's next call simply succeeds; the reply is the one an uninterrupted session would give
+(greedy decoding) as long as the messages re-sent render to the tokens the session had.
 """
 
 from __future__ import annotations
@@ -107,6 +113,12 @@ class Conversations:
         opts.setdefault("expected_turn_index", plan.expected_turn_index)
         return opts
 
+    def _recovered(self, plan: Plan, messages: Sequence[ChatMessage], e: ChainKVError) -> Plan | None:
+        """The catch-up plan when ``e`` refused ``plan`` because its session lost turns; else None."""
+        if e.code is not grpc.StatusCode.FAILED_PRECONDITION or e.session_turn_index is None or not plan.key:
+            return None
+        return self.ledger.recover(plan, messages, e.session_turn_index)
+
     # --- sync -------------------------------------------------------------------------------------
     def stream(
         self, key: str | None, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = (), **options: Any
@@ -115,12 +127,24 @@ class Conversations:
         if not plan.known and self._exists(plan.session_id):
             plan = self.ledger.rotate(plan)
         try:
-            for event in self.client.stream_turn(plan.session_id, plan.messages, **self._options(plan, tools, options)):
-                if isinstance(event, TurnResult) and key is not None:
-                    self.ledger.record(plan, event)
-                    if plan.replaces:
-                        self._end_quietly(plan.replaces)
-                yield event
+            while True:
+                started = False
+                try:
+                    for event in self.client.stream_turn(
+                        plan.session_id, plan.messages, **self._options(plan, tools, options)
+                    ):
+                        started = True
+                        if isinstance(event, TurnResult) and key is not None:
+                            self.ledger.record(plan, event)
+                            if plan.replaces:
+                                self._end_quietly(plan.replaces)
+                        yield event
+                    return
+                except ChainKVError as e:
+                    again = None if started else self._recovered(plan, messages, e)
+                    if again is None:
+                        raise
+                    plan = again
         finally:
             if key is None:
                 self._end_quietly(plan.session_id)
@@ -149,14 +173,24 @@ class Conversations:
         if not plan.known and await self._aexists(client, plan.session_id):
             plan = self.ledger.rotate(plan)
         try:
-            async for event in client.stream_turn(
-                plan.session_id, plan.messages, **self._options(plan, tools, options)
-            ):
-                if isinstance(event, TurnResult) and key is not None:
-                    self.ledger.record(plan, event)
-                    if plan.replaces:
-                        await self._aend_quietly(client, plan.replaces)
-                yield event
+            while True:
+                started = False
+                try:
+                    async for event in client.stream_turn(
+                        plan.session_id, plan.messages, **self._options(plan, tools, options)
+                    ):
+                        started = True
+                        if isinstance(event, TurnResult) and key is not None:
+                            self.ledger.record(plan, event)
+                            if plan.replaces:
+                                await self._aend_quietly(client, plan.replaces)
+                        yield event
+                    return
+                except ChainKVError as e:
+                    again = None if started else self._recovered(plan, messages, e)
+                    if again is None:
+                        raise
+                    plan = again
         finally:
             if key is None:
                 await self._aend_quietly(client, plan.session_id)

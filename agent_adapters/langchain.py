@@ -107,6 +107,7 @@ def _response_metadata(r: TurnResult, model: str) -> dict[str, Any]:
         "turn_index": r.turn_index,
         "replayed": r.replayed,
         "chainkv_usage": r.usage.as_dict(),
+        "token_ids": list(r.token_ids),
     }
 
 

@@ -12,6 +12,13 @@ restart) cannot be continued safely: the conversation moves to a fresh session i
 ``<key>~<random>`` that gets the whole history (correct, only without reuse for this once). A
 session this process wrote and moved away from is ended once the fresh one has its first turn
 (``Plan.replaces``); one another process wrote is left alone.
+
+The conversation the framework holds is the truth; the session is a cache of it. The ledger also
+remembers where each of the session's turns began, so a session that turns out to hold fewer
+turns than recorded (a replica killed before its snapshot under ``--durability async``, a store
+restored from older data: the sidecar refuses the turn and says how many it holds) is caught up
+by ``recover``: one turn that re-sends every message after the turns it still holds, the lost
+replies included as the framework has them.
 Keys that are not valid session ids (1-128 characters of ``[A-Za-z0-9._:@+=~-]``) are hashed.
 """
 
@@ -23,7 +30,7 @@ import logging
 import re
 import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from agent_adapters.messages import ChatMessage, TurnResult
@@ -61,6 +68,10 @@ class Plan:
     replaces: str = ""
     """The session this conversation moves away from (its history was edited): the adapter ends it
     once this turn has finished on the fresh session."""
+    turn_starts: list[int] = field(default_factory=list)
+    """How many of the conversation's messages the session held before each of its turns so far."""
+    held: int = 0
+    """How many of the conversation's messages the session holds before this turn (``messages`` follow them)."""
 
 
 @dataclass
@@ -68,6 +79,7 @@ class _Entry:
     session_id: str
     seen: list[str]
     turns: int = 0
+    turn_starts: list[int] = field(default_factory=list)
 
 
 class SessionLedger:
@@ -84,7 +96,9 @@ class SessionLedger:
         if e is not None:
             n = len(e.seen)
             if fps[:n] == e.seen and len(fps) > n:
-                return Plan(key, e.session_id, list(messages[n:]), False, True, fps, e.turns)
+                return Plan(
+                    key, e.session_id, list(messages[n:]), False, True, fps, e.turns, "", list(e.turn_starts), n
+                )
             log.warning(
                 "conversation %r does not extend what session %r holds; continuing on a fresh session",
                 key,
@@ -107,12 +121,39 @@ class SessionLedger:
         )
         return self._fresh(plan.key, plan.messages, plan.fingerprints)
 
+    def recover(self, plan: Plan, messages: Sequence[ChatMessage], held_turns: int) -> Plan | None:
+        """``plan`` was refused: its session holds only ``held_turns`` turns, fewer than the plan expected
+        (turns were lost). The plan that catches it up: every message of ``messages`` (the whole
+        conversation the plan was made from) after those turns, at index ``held_turns``. None when the
+        session is not behind the plan (nothing to re-send)."""
+        if not 0 <= held_turns < plan.expected_turn_index or held_turns > len(plan.turn_starts):
+            return None
+        held = plan.turn_starts[held_turns] if held_turns < len(plan.turn_starts) else plan.held
+        log.warning(
+            "session %r holds %d turns, not %d: re-sending the %d messages after them",
+            plan.session_id,
+            held_turns,
+            plan.expected_turn_index,
+            len(messages) - held,
+        )
+        return replace(
+            plan,
+            messages=list(messages[held:]),
+            first=held_turns == 0,
+            expected_turn_index=held_turns,
+            turn_starts=plan.turn_starts[:held_turns],
+            held=held,
+        )
+
     def record(self, plan: Plan, result: TurnResult) -> None:
         """The turn finished: the session now holds the messages and its reply."""
         reply = ChatMessage("assistant", result.text, tool_calls=result.tool_calls)
         with self._lock:
             self._entries[plan.key] = _Entry(
-                plan.session_id, plan.fingerprints + [fingerprint(reply)], result.turn_index + 1
+                plan.session_id,
+                plan.fingerprints + [fingerprint(reply)],
+                result.turn_index + 1,
+                plan.turn_starts + [plan.held],
             )
 
     def session_of(self, key: str) -> str | None:

@@ -111,6 +111,7 @@ def _raw(r: TurnResult) -> dict[str, Any]:
         "finish_reason": r.finish_reason,
         "replayed": r.replayed,
         "usage": r.usage.as_dict(),
+        "token_ids": list(r.token_ids),
     }
 
 

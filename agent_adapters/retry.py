@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf.message import DecodeError
+
+from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 
 if TYPE_CHECKING:
     from agent_adapters.client import _Base
@@ -24,12 +27,33 @@ BUSY_DETAILS = "a turn is already running"
 """How the sidecar's ABORTED for a busy session begins (engine/chain/errors.py SessionBusy)."""
 
 
-class ChainKVError(Exception):
-    """A call failed; ``code`` is the gRPC status code (see the proto for what each means)."""
+TURN_INDEX_CONFLICT_KEY = pb.TurnIndexConflict.DESCRIPTOR.full_name.lower() + "-bin"
+"""Where a Turn refused for its expected_turn_index carries the session's real turn count (see the proto)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, attempts: int = 1):
+
+class ChainKVError(Exception):
+    """A call failed; ``code`` is the gRPC status code (see the proto for what each means).
+    ``session_turn_index``: on a Turn refused (FAILED_PRECONDITION) because its
+    ``expected_turn_index`` is not the session's, the turns the session really holds; else None.
+    Below the expectation, turns the client saw were lost (a crash under ``--durability async``, a
+    store restored from older data): re-send the messages of the turns after it, with that index."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, attempts: int = 1, session_turn_index: int | None = None):
         super().__init__(f"{code.name}: {details}")
         self.code, self.details, self.attempts = code, details, attempts
+        self.session_turn_index = session_turn_index
+
+
+def session_turn_index(e: grpc.RpcError) -> int | None:
+    """The ``TurnIndexConflict`` a failed call carries in its trailing metadata: the session's turn count."""
+    trailing = getattr(e, "trailing_metadata", None)  # grpc.RpcError itself does not promise one (grpc.Call does)
+    for key, value in (trailing() if trailing else None) or ():
+        if key == TURN_INDEX_CONFLICT_KEY:
+            try:
+                return pb.TurnIndexConflict.FromString(value).session_turn_index
+            except DecodeError:
+                return None
+    return None
 
 
 class StreamDiverged(ChainKVError):
@@ -93,5 +117,5 @@ class _Attempts:
             if wait is not None and self.deadline is not None and time.monotonic() + wait >= self.deadline:
                 wait = None
         if wait is None:
-            raise ChainKVError(e.code(), e.details() or "", self.count) from None
+            raise ChainKVError(e.code(), e.details() or "", self.count, session_turn_index(e)) from None
         return wait

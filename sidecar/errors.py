@@ -11,13 +11,14 @@ from __future__ import annotations
 import grpc
 
 from engine.constrained import ConstraintError
-from engine.chain import ContextFull, SessionBusy, SessionError, SessionExists, SessionNotFound
+from engine.chain import ContextFull, SessionBusy, SessionError, SessionExists, SessionNotFound, TurnIndexMismatch
 from engine.config import ConfigError
 from engine.lifecycle import MethodError
 from engine.llm import CapacityError, RequestError
 from engine.prune_rule import PruneRuleError
 from engine.sampling import SamplingError
 from sidecar.structured import OutputSpecError
+from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.auth import Unauthenticated
 from sidecar.chat import ChatError
 from sidecar.engine_client import EngineFailed
@@ -76,3 +77,16 @@ def status_for(e: BaseException) -> grpc.StatusCode:
         if isinstance(e, kinds):
             return code
     return grpc.StatusCode.INTERNAL
+
+
+TURN_INDEX_CONFLICT_KEY = pb.TurnIndexConflict.DESCRIPTOR.full_name.lower() + "-bin"
+"""The trailing-metadata key of a refused turn's ``TurnIndexConflict`` (named in the proto)."""
+
+
+def trailing_metadata_for(e: BaseException) -> tuple[tuple[str, bytes], ...]:
+    """What a failed RPC sends in its trailing metadata for ``e``: a ``TurnIndexConflict`` (the turns
+    the session really holds) when ``e`` refused an expected_turn_index, else nothing."""
+    if isinstance(e, TurnIndexMismatch) and e.turn_index is not None:
+        detail = pb.TurnIndexConflict(session_turn_index=e.turn_index, expected_turn_index=e.expected or 0)
+        return ((TURN_INDEX_CONFLICT_KEY, detail.SerializeToString()),)
+    return ()

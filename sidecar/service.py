@@ -28,7 +28,7 @@ from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.endpoint import SERVICE
 from sidecar.engine_client import EngineClient, PruneSpec
 from sidecar.engine_results import SessionInfo
-from sidecar.errors import Draining, status_for
+from sidecar.errors import Draining, status_for, trailing_metadata_for
 from sidecar.hooks import ServerHooks
 from sidecar.logs import bind_request
 from sidecar.options import ServerOptions
@@ -134,7 +134,7 @@ class SidecarService:
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("%s failed", name)
             self.hooks.on_rpc(name, code, time.monotonic() - t0)
-            await context.abort(code, str(e) or type(e).__name__)
+            await context.abort(code, str(e) or type(e).__name__, trailing_metadata_for(e))
         self.hooks.on_rpc(name, grpc.StatusCode.OK, time.monotonic() - t0)
         return reply
 
@@ -161,7 +161,7 @@ class SidecarService:
             code = status_for(e)
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("Turn failed")
-            await context.abort(code, str(e) or type(e).__name__)
+            await context.abort(code, str(e) or type(e).__name__, trailing_metadata_for(e))
         finally:
             self.hooks.on_rpc("Turn", code, time.monotonic() - t0)
 

@@ -18,7 +18,11 @@ Where a session comes from (``get``): this replica, when it holds the session an
 its copy is stale; otherwise the store. A client that passes ``expected_turn_index`` ahead of
 the local copy makes the manager look in the store (another replica may have moved the session
 on); a store that is behind the expectation is polled for ``resume_wait_s`` (the write-behind
-snapshot may still be on its way) before UNAVAILABLE.
+snapshot may still be on its way). After that a Turn (``create``) is refused with
+``TurnIndexMismatch`` carrying the turns the session really holds (the turns the client expects
+were lost: a crash under write-behind, a store rolled back), so the client re-sends the messages
+the session lacks; it never runs against the older state. Resume gets UNAVAILABLE (StoreBehind),
+or NOT_FOUND where no copy exists.
 """
 
 from __future__ import annotations
@@ -41,7 +45,12 @@ log = logging.getLogger(__name__)
 
 
 class StoreBehind(StoreUnavailable):
-    """The store does not hold the turn the client expects yet (its snapshot may be in flight)."""
+    """The store does not hold the turn the client expects yet (its snapshot may be in flight).
+    ``have``: the turn index it holds (None: no record)."""
+
+    def __init__(self, message: str, have: int | None = None):
+        super().__init__(message)
+        self.have = have
 
 
 class SessionManager:
@@ -105,7 +114,10 @@ class SessionManager:
                 return s
             if self.store is None:
                 return self._new_or_missing(key, create)
-            stored = await self._fetch(key, expected_turn_index, deadline, local=s, request_id=request_id)
+            try:
+                stored = await self._fetch(key, expected_turn_index, deadline, request_id=request_id)
+            except StoreBehind as e:
+                raise self._behind_expected(key, s, e, expected_turn_index, create) from None
             if s is not None and s.in_engine and not s.stale and self._store_behind(s, stored):
                 return s  # this replica holds more than the store: keep it (the store is rewritten)
             if stored is None:
@@ -177,6 +189,27 @@ class SessionManager:
             self.on_store_behind(s.key)
         return True
 
+    @staticmethod
+    def _behind_expected(
+        key: str, local: Session | None, e: StoreBehind, expected: int | None, create: bool
+    ) -> SessionError | StoreUnavailable:
+        """Neither this replica nor the store holds turn ``expected`` after the wait: the error to raise.
+        A Turn (``create``) learns where the session really is: the newer of this replica's copy and the
+        store's (0 where neither has one)."""
+        sid = key.split("/")[-1]
+        here = local is not None and local.in_engine and not local.stale
+        if create:
+            have = max(local.turn_index if here else 0, e.have or 0)
+            return TurnIndexMismatch(
+                f"session {sid!r} is at turn {have}, not {expected}: turns were lost (a crash before their "
+                f"snapshot, a store restored from older data); send the messages after its first {have} turns again",
+                have,
+                expected,
+            )
+        if e.have is None and (local is None or not local.in_engine):
+            return SessionNotFound(f"no session {sid!r} at turn {expected} in the store")
+        return e
+
     def _usable(self, s: Session, expected: int | None) -> bool:
         if s.busy:
             return True  # the caller gets ABORTED (or waits for its retried request)
@@ -194,9 +227,7 @@ class SessionManager:
         self._sessions[key] = s
         return s
 
-    async def _fetch(
-        self, key: str, expected: int | None, deadline: float | None, local: Session | None, request_id: str = ""
-    ):
+    async def _fetch(self, key: str, expected: int | None, deadline: float | None, request_id: str = ""):
         """The committed record (no KV yet), waiting for ``expected`` while the store is behind."""
         wait_until = time.monotonic() + self.resume_wait_s
         if deadline is not None:
@@ -210,14 +241,15 @@ class SessionManager:
             if have is not None and have > expected and request_id and recorded_in(stored.app, request_id):
                 return stored  # a retry of a turn the store recorded: its reply is replayed
             if have is not None and have > expected:
-                raise TurnIndexMismatch(f"session {key.split('/')[-1]!r} is at turn {have}, not {expected}")
+                raise TurnIndexMismatch(
+                    f"session {key.split('/')[-1]!r} is at turn {have}, not {expected}", have, expected
+                )
             if have == expected:
                 return stored
             if time.monotonic() >= wait_until:
-                if stored is None and (local is None or not local.in_engine):
-                    raise SessionNotFound(f"no session {key.split('/')[-1]!r} at turn {expected} in the store")
                 raise StoreBehind(
-                    f"the store holds turn {have} of session {key.split('/')[-1]!r}, not turn {expected} yet; retry"
+                    f"the store holds turn {have} of session {key.split('/')[-1]!r}, not turn {expected} yet; retry",
+                    have,
                 )
             await asyncio.sleep(delay)
             delay = min(0.5, delay * 2)

@@ -4,7 +4,8 @@
 between client and load balancer) the proxy keeps reading and discarding what the server sends,
 so the server never learns the client left and finishes the turn; with ``keep_upstream=False``
 it closes the server side too, and the server sees the connection drop (it cancels the turn).
-New connections after a cut are proxied normally.
+New connections after a cut are proxied normally, to ``upstream`` (which a test may point at a
+restarted server); one the server refuses is closed.
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ class TcpProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(self.upstream)
+            try:
+                upstream = socket.create_connection(self.upstream)
+            except OSError:  # the server is down (a restart): the client sees its connection drop
+                _close(client)
+                continue
             cut = threading.Event()
             with self._lock:
                 self._pairs.append((client, upstream, cut))

@@ -19,6 +19,7 @@ import pytest
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
+from sidecar.errors import TURN_INDEX_CONFLICT_KEY
 
 from tests.sidecar_proc import ALPHA, BETA, TOKENS, Sidecar, committed, request, run, serving, turn_events, wait_for
 
@@ -312,9 +313,19 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(local, smol_
         run(stub, request("occ", TURNS[1], expected_turn_index=0))
     assert e.value.code() == C.FAILED_PRECONDITION
     wait_for(lambda: committed(stub, "occ"), what="the snapshot")
-    with pytest.raises(grpc.RpcError) as e:  # maybe another replica's snapshot is on its way: retry later
+    with pytest.raises(grpc.RpcError) as e:  # no copy reached turn 5 within resume_wait_s: refused, never run at 1
         run(stub, request("occ", TURNS[1], expected_turn_index=5))
-    assert e.value.code() == C.UNAVAILABLE and "not turn 5 yet" in e.value.details()
+    assert e.value.code() == C.FAILED_PRECONDITION and "is at turn 1, not 5: turns were lost" in e.value.details()
+    trailer = dict(e.value.trailing_metadata())[TURN_INDEX_CONFLICT_KEY]
+    assert pb.TurnIndexConflict.FromString(trailer) == pb.TurnIndexConflict(session_turn_index=1, expected_turn_index=5)
+    with pytest.raises(grpc.RpcError) as e:  # a session no copy holds (a store that lost everything): at turn 0
+        run(stub, request("occ-gone", TURNS[1], expected_turn_index=2))
+    assert e.value.code() == C.FAILED_PRECONDITION
+    trailer = dict(e.value.trailing_metadata())[TURN_INDEX_CONFLICT_KEY]
+    assert pb.TurnIndexConflict.FromString(trailer).session_turn_index == 0
+    with pytest.raises(grpc.RpcError) as e:  # nothing was created under it
+        stub.GetSession(pb.GetSessionRequest(session_id="occ-gone"), metadata=ALPHA)
+    assert e.value.code() == C.NOT_FOUND
     child = stub.ForkSession(pb.ForkSessionRequest(session_id="occ", new_session_id="occ-child"), metadata=ALPHA)
     assert child.turn_index == 1
     with pytest.raises(grpc.RpcError) as e:

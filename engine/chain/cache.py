@@ -104,8 +104,9 @@ class ChainCache:
         if chain is not None and chain.state is ChainState.ACTIVE:
             raise SessionBusy(f"a turn is already running on session {session_id!r}")
         if expected_turn_index is not None and expected_turn_index != (chain.turn_index if chain else 0):
+            have = chain.turn_index if chain else 0
             raise TurnIndexMismatch(
-                f"session {session_id!r} is at turn {chain.turn_index if chain else 0}, not {expected_turn_index}"
+                f"session {session_id!r} is at turn {have}, not {expected_turn_index}", have, expected_turn_index
             )
         old = chain.history if chain else []
         if history is not None:

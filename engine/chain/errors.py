@@ -20,7 +20,13 @@ class HistoryMismatch(SessionError):
 
 
 class TurnIndexMismatch(SessionError):
-    """``expected_turn_index`` is not the session's turn index (optimistic concurrency)."""
+    """``expected_turn_index`` is not the session's turn index (optimistic concurrency).
+    ``turn_index``: the turns the session really holds (None where unknown) and ``expected`` the
+    request's expectation, which the sidecar sends back to the client with the refusal."""
+
+    def __init__(self, message: str, turn_index: int | None = None, expected: int | None = None):
+        super().__init__(message)
+        self.turn_index, self.expected = turn_index, expected
 
 
 class SessionExists(SessionError):

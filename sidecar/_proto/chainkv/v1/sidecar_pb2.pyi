@@ -93,6 +93,14 @@ class ToolCall(_message.Message):
     arguments_json: str
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments_json: _Optional[str] = ...) -> None: ...
 
+class TurnIndexConflict(_message.Message):
+    __slots__ = ("session_turn_index", "expected_turn_index")
+    SESSION_TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    session_turn_index: int
+    expected_turn_index: int
+    def __init__(self, session_turn_index: _Optional[int] = ..., expected_turn_index: _Optional[int] = ...) -> None: ...
+
 class TurnRequest(_message.Message):
     __slots__ = ("session_id", "request_id", "messages", "tools", "expected_turn_index", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "method", "budget", "budget_ratio", "method_args", "shared_prefix_messages", "public_prefix", "response_format", "tool_choice")
     class MethodArgsEntry(_message.Message):
