@@ -29,10 +29,13 @@ class Sidecar:
     """``chainkv serve`` on SmolLM2 (CPU, ``--port 0``) against ``store_url``, with the ``TOKENS`` tenants.
 
     ``extra``: more serve flags; ``grace_s``: the drain grace on SIGTERM. ``start`` launches the process
-    (again after a kill: a restart), ``wait_ready`` blocks until it logs its port and opens ``stub``."""
+    (again after a kill: a restart), ``wait_ready`` blocks until it logs its port (and, with
+    ``--http-port``, its ``http_port``) and opens ``stub``."""
 
-    def __init__(self, store_url: str, *extra: str, grace_s: float = 5):
+    def __init__(self, store_url: str, *extra: str, grace_s: float = 5, tokens: dict[str, str] = TOKENS):
         self.store_url, self.extra, self.grace_s = store_url, list(extra), grace_s
+        self.tokens = dict(tokens)
+        """Bearer token -> tenant, each an ``--auth-token``; empty: auth off."""
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "Sidecar":
@@ -59,7 +62,7 @@ class Sidecar:
             "WARNING",
             *self.extra,
         ]
-        for token, tenant in TOKENS.items():
+        for token, tenant in self.tokens.items():
             cmd += ["--auth-token", f"{token}={tenant}"]
         env = dict(
             os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1"
@@ -69,6 +72,7 @@ class Sidecar:
         )
         self.output: list[str] = []
         self.port: int | None = None
+        self.http_port: int | None = None
         self.metrics_port: int | None = None
         self._ready = threading.Event()
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
@@ -81,6 +85,9 @@ class Sidecar:
                 self.metrics_port = int(line.rsplit(":", 1)[1].split("/")[0])
             if "serving chainkv.v1.Sidecar on" in line:
                 self.port = int(line.split(" on ", 1)[1].split()[0].rsplit(":", 1)[1])
+            if "OpenAI-compatible HTTP API on http://" in line:
+                self.http_port = int(line.split("http://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+            if self.port is not None and (self.http_port is not None or "--http-port" not in self.extra):
                 self._ready.set()
         self._ready.set()
 
