@@ -32,7 +32,7 @@ TINY = dict(
 )
 
 
-SMOLLM2_FIXTURES = {"smol_engine", "smollm2_dir", "smollm2_hf"}
+SMOLLM2_FIXTURES = {"smol_engine", "smollm2_dir", "smollm2_hf", "smollm2_sidecar"}
 """Fixtures that load SmolLM2: a test that uses one, directly or not, is ``slow``."""
 
 
@@ -158,6 +158,36 @@ def tiny_chat_dir(tmp_path_factory, smollm2_dir):
         if (Path(smollm2_dir) / name).exists():
             shutil.copy(Path(smollm2_dir) / name, path / name)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_server(tiny_chat_dir):
+    """One in-process sidecar (gRPC, no store, default options) on an engine of ``tiny_chat_dir``, shared by
+    the modules that need only "a server on the tiny chat model" (they use their own session ids)."""
+    from engine.config import EngineConfig
+    from engine.llm import LLMEngine
+    from sidecar.server import ServerOptions, ServerThread
+
+    engine = LLMEngine(EngineConfig(model=tiny_chat_dir, num_pages=4000, prefill_chunk_size=128, max_model_len=2048))
+    server = ServerThread(engine, ServerOptions(port=0))
+    server.start()
+    yield server
+    server.stop(grace=1)
+
+
+@pytest.fixture(scope="session")
+def smollm2_sidecar(tmp_path_factory):
+    """One ``chainkv serve`` process on SmolLM2 (tests/sidecar_proc.py) serving both fronts (``--http-port``),
+    auth off, sessions in a directory store: for tests that need "a real sidecar" and do not stop, kill or
+    reconfigure it. ``.port`` is gRPC, ``.http_port`` the OpenAI-compatible HTTP API."""
+    from tests.sidecar_proc import Sidecar
+
+    store = tmp_path_factory.mktemp("sidecar-store")
+    proc = Sidecar(f"file://{store}", "--http-port", "0", tokens={}).start()
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
 
 
 @pytest.fixture(scope="module")

@@ -32,8 +32,10 @@ class Sidecar:
     (again after a kill: a restart), ``wait_ready`` blocks until it logs its port (and, with
     ``--http-port``, its ``http_port``) and opens ``stub``."""
 
-    def __init__(self, store_url: str, *extra: str, grace_s: float = 5):
+    def __init__(self, store_url: str, *extra: str, grace_s: float = 5, tokens: dict[str, str] = TOKENS):
         self.store_url, self.extra, self.grace_s = store_url, list(extra), grace_s
+        self.tokens = dict(tokens)
+        """Bearer token -> tenant, each an ``--auth-token``; empty: auth off."""
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "Sidecar":
@@ -60,7 +62,7 @@ class Sidecar:
             "WARNING",
             *self.extra,
         ]
-        for token, tenant in TOKENS.items():
+        for token, tenant in self.tokens.items():
             cmd += ["--auth-token", f"{token}={tenant}"]
         env = dict(
             os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1"

@@ -11,16 +11,8 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def target(tiny_chat_dir):
-    from engine.config import EngineConfig
-    from engine.llm import LLMEngine
-    from sidecar.server import ServerOptions, ServerThread
-
-    engine = LLMEngine(EngineConfig(model=tiny_chat_dir, num_pages=4000, prefill_chunk_size=128, max_model_len=2048))
-    server = ServerThread(engine, ServerOptions(port=0))
-    port = server.start()
-    yield f"127.0.0.1:{port}", server
-    server.stop(grace=1)
+def target(tiny_chat_server):
+    return f"127.0.0.1:{tiny_chat_server.server.port}", tiny_chat_server
 
 
 def test_the_demo_makes_real_tool_round_trips_and_shows_reuse(target):

@@ -38,18 +38,10 @@ ANSWER = {
 
 
 @pytest.fixture(scope="module")
-def stub(tiny_chat_dir):
-    from engine.config import EngineConfig
-    from engine.llm import LLMEngine
-    from sidecar.server import ServerOptions, ServerThread
-
-    engine = LLMEngine(EngineConfig(model=tiny_chat_dir, num_pages=4000, prefill_chunk_size=128, max_model_len=2048))
-    server = ServerThread(engine, ServerOptions(port=0))
-    port = server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+def stub(tiny_chat_server):
+    channel = grpc.insecure_channel(f"127.0.0.1:{tiny_chat_server.server.port}")
     yield sidecar_pb2_grpc.SidecarStub(channel)
     channel.close()
-    server.stop(grace=1)
 
 
 def _turn(stub, sid, text, **kw) -> tuple[list[pb.ToolCall], pb.TurnCompletion]:
