@@ -1,10 +1,12 @@
 """Tier moves of session chains: GPU pages <-> host RAM <-> the history alone.
 
 ``ChainTiers`` is what the Scheduler reclaims through (its ``Reclaimer`` protocol): it demotes
-idle chains (least recently used first) to host RAM when the pool or the cache slots run short,
+idle chains (lowest eviction priority first, then least recently used) to host RAM when the pool
+or the cache slots run short,
 swaps a preempted running session's KV out to host memory, and restores a chain's host copy when
 its sequence is admitted again. Past ``host_cache_gb`` host copies are dropped, least recently
-used first, to the token history alone (the next turn re-prefills it).
+used first within the lowest eviction priority, to the token history alone (the next turn
+re-prefills it).
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ from engine.controller import SparseController
 from engine.lifecycle import SeqInfo
 from engine.prefix import PrefixIndex
 from engine.sequence import Sequence
+
+
+def demotion_order(chain: Chain) -> tuple[int, float]:
+    """Which idle chain leaves a tier first: the lowest ``eviction_priority``, then the least
+    recently used."""
+    return chain.eviction_priority, chain.last_used
 
 
 class ChainTiers:
@@ -46,14 +54,14 @@ class ChainTiers:
     # --- the scheduler's side (Reclaimer) ---------------------------------------------------------
     def reclaim(self, pages: int) -> int:
         """Free at least ``pages`` pages if idle state allows: idle prefix holders, then idle chains
-        (least recently used first) demoted to host RAM. Returns the pages freed."""
+        (``demotion_order``) demoted to host RAM. Returns the pages freed."""
         freed = 0
         while freed < pages:
             n = self.prefixes.drop_idle()
             if n == 0:
                 break
             freed += n
-        for chain in sorted(self._idle(), key=lambda c: c.last_used):
+        for chain in sorted(self._idle(), key=demotion_order):
             if freed >= pages:
                 break
             before = self.manager.pool.num_free
@@ -62,8 +70,8 @@ class ChainTiers:
         return freed
 
     def reclaim_slot(self) -> bool:
-        """Free one cache slot: demote the least recently used idle chain, or drop an idle prefix holder."""
-        idle = sorted(self._idle(), key=lambda c: c.last_used)
+        """Free one cache slot: demote the first idle chain in ``demotion_order``, or drop an idle prefix holder."""
+        idle = sorted(self._idle(), key=demotion_order)
         if idle:
             self.demote(idle[0])
             return True
@@ -171,10 +179,10 @@ class ChainTiers:
         return SessionSnapshot(meta=meta, kv=self.manager.snapshot(sid), tensors=tensors)
 
     def _make_host_room(self, nbytes: int, keep: Chain | None = None) -> bool:
-        """Drop idle sessions' host copies (least recently used first, ``keep`` spared) to their
-        history until ``nbytes`` more fit in ``host_cache_gb``."""
+        """Drop idle sessions' host copies (in ``demotion_order``, ``keep`` spared) to their history
+        until ``nbytes`` more fit in ``host_cache_gb``."""
         victims = sorted(
-            (c for c in self.chains.values() if c.state is ChainState.HOST and c is not keep), key=lambda c: c.last_used
+            (c for c in self.chains.values() if c.state is ChainState.HOST and c is not keep), key=demotion_order
         )
         for c in victims:
             if self.host_bytes + nbytes <= self.host_limit:
