@@ -150,3 +150,18 @@ def test_hostile_chain_ids_are_400(live, fields):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] in ("chain_id", "chain_append_start")
     assert "Traceback" not in r.text
+
+
+def test_a_chain_ended_by_grpc_end_session_is_gone_too(live):
+    import grpc
+
+    from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
+    from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc as pbg
+
+    chain_id, msgs, _ = _start(live)
+    with grpc.insecure_channel(f"127.0.0.1:{live.thread.server.port}") as channel:
+        pbg.SidecarStub(channel).EndSession(
+            pb.EndSessionRequest(session_id=chain_id), metadata=[("authorization", "Bearer tok-alpha")]
+        )
+    r = chat(live, msgs + [{"role": "user", "content": "hello?"}], chain_id=chain_id, chain_append_start=3)
+    assert r.status_code == 410 and r.json()["error"]["code"] == "chain_gone"

@@ -6,7 +6,9 @@ conversations) and the new messages after it; only those run as the session's ne
 built with the ``openai`` package's own types (``ChatCompletion``, ``ChatCompletionChunk``), so
 their shape is the SDK's. Streaming is server-sent events: a role chunk, content chunks, one chunk
 per tool call, the finish chunk, then (``stream_options.include_usage``) a usage chunk, then
-``[DONE]``. A client that disconnects mid-stream stops the turn, which is rolled back.
+``[DONE]``. A client that disconnects mid-stream stops the turn, which is rolled back. A request
+with ``chain_id`` speaks SparseEngine's chain protocol instead of naming or matching a session
+(sidecar/http/chain_protocol.py).
 """
 
 from __future__ import annotations
