@@ -180,6 +180,25 @@ def test_a_prune_the_engine_refuses_fails_and_leaves_the_session(live):
     assert _inspect(live, sid) == before
 
 
+def test_keep_tokens_keeps_that_many_of_each_range(tiny_chat_dir, tmp_path_factory):
+    """On an engine that records recent queries (prune_policy keep_ratio), ``keep_tokens`` of each
+    range keep their KV: the measured ``kept_tokens`` of a pruned span is exactly that many."""
+    server = live_server(tiny_chat_dir, tmp_path_factory, prune_policy="keep_ratio")
+    live = next(server)
+    try:
+        sid, _ = _session(live, "kept", turns=2)
+        spans = [s for s in _inspect(live, sid)["spans"] if s["role"] == "user" and s["end"] - s["start"] > 4]
+        spans = [s for s in spans if s["start"] >= _inspect(live, sid)["shared_prefix_tokens"]]
+        assert len(spans) == 2  # the two user turns
+        order = {"session_id": sid, "ranges": [[s["start"], s["end"]] for s in spans], "keep_tokens": 3}
+        done = _wait(live, _ok(call(live, "/prefix_cache/prune", order), 202)["prune_id"])
+        assert done["status"] == "completed" and done["policy"] == "keep_ratio", done
+        after = {s["start"]: s for s in _inspect(live, sid)["spans"]}
+        assert all(after[s["start"]]["kept_tokens"] == 3 and after[s["start"]]["pruned"] for s in spans)
+    finally:
+        next(server, None)
+
+
 MALFORMED = [
     {"ranges": [[-1, 3]]},
     {"ranges": [[5, 2]]},
