@@ -21,7 +21,7 @@ from engine.build import attention_backend, num_pages, resolve_device, resolve_d
 from engine.cache.formats import make_format
 from engine.cache.manager import CacheManager
 from engine.cache.pages import PagePool
-from engine.chain import ChainCache, ChainState, SessionError, SessionNotFound, Tier
+from engine.chain import ChainCache, ChainState, SessionError, Tier
 from engine.config import EngineConfig
 from engine.constrained import GrammarBackend
 from engine.controller import SparseController
@@ -272,25 +272,10 @@ class LLMEngine:
 
     def set_eviction_priority(self, session_id: Hashable, priority: int) -> None:
         """Idle sessions of a lower priority leave the GPU (and host RAM) first (``ChainTiers``)."""
-        chain = self.chains.chains.get(session_id)
-        if chain is None:
-            raise SessionNotFound(f"no session {session_id!r}")
-        chain.eviction_priority = int(priority)
+        self.chains.tiers.set_priority(session_id, priority)
 
     def span_kv_tokens(self, session_id: Hashable) -> list[float] | None:
-        """Per tagged span of the session's history, the KV entries the GPU holds for it, averaged
-        over layers and kv-heads (a span a method or a pruning shrank holds fewer than its length);
-        None when the session's KV is not on the GPU."""
-        chain = self.chains.chains.get(session_id)
-        if chain is None:
-            raise SessionNotFound(f"no session {session_id!r}")
-        if not self.manager.has(session_id):
-            return None
-        pos = self.manager.positions(session_id)
-        per_position = torch.bincount(pos[pos >= 0].long().flatten(), minlength=len(chain.history) + 1)
-        upto = [0] + per_position.cumsum(0).tolist()
-        heads = pos.shape[0] * pos.shape[1]
-        return [(upto[s.end] - upto[s.start]) / heads for s in chain.spans]
+        return self.chains.tiers.span_kv_tokens(session_id)
 
     def prune_history(self, session_id: Hashable, start: int, end: int, **policy) -> int:
         return self.chains.prune(session_id, start, end, **policy)

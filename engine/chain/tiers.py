@@ -6,7 +6,8 @@ or the cache slots run short,
 swaps a preempted running session's KV out to host memory, and restores a chain's host copy when
 its sequence is admitted again. Past ``host_cache_gb`` host copies are dropped, least recently
 used first within the lowest eviction priority, to the token history alone (the next turn
-re-prefills it).
+re-prefills it). It also measures what the GPU tier holds of each span of a chain's history
+(``span_kv_tokens``, for cache inspection).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from engine.cache.manager import CacheManager
 from engine.cache.snapshot import SessionSnapshot
 from engine.cache.transfer import ceil_div
-from engine.chain.errors import SessionError
+from engine.chain.errors import SessionError, SessionNotFound
 from engine.chain.records import Chain, ChainState, Tier
 from engine.controller import SparseController
 from engine.lifecycle import SeqInfo
@@ -127,6 +128,30 @@ class ChainTiers:
         if chain is not None:
             self.prefixes.detach(chain.prefix_holder)
             chain.prefix_holder = None
+
+    # --- priorities and residency ----------------------------------------------------------------
+    def _chain(self, session_id: Hashable) -> Chain:
+        chain = self.chains.get(session_id)
+        if chain is None:
+            raise SessionNotFound(f"no session {session_id!r}")
+        return chain
+
+    def set_priority(self, session_id: Hashable, priority: int) -> None:
+        """The chain's place in ``demotion_order``: a lower priority leaves a tier first."""
+        self._chain(session_id).eviction_priority = int(priority)
+
+    def span_kv_tokens(self, session_id: Hashable) -> list[float] | None:
+        """Per tagged span of the session's history, the KV entries the GPU holds for it, averaged
+        over layers and kv-heads (a span a method or a pruning shrank holds fewer than its length);
+        None when the session's KV is not on the GPU."""
+        chain = self._chain(session_id)
+        if not self.manager.has(session_id):
+            return None
+        pos = self.manager.positions(session_id)
+        per_position = torch.bincount(pos[pos >= 0].long().flatten(), minlength=len(chain.history) + 1)
+        upto = [0] + per_position.cumsum(0).tolist()
+        heads = pos.shape[0] * pos.shape[1]
+        return [(upto[s.end] - upto[s.start]) / heads for s in chain.spans]
 
     # --- moves ------------------------------------------------------------------------------------
     def _idle(self) -> list[Chain]:
