@@ -2,9 +2,8 @@
 
 ``ChainTiers`` is what the Scheduler reclaims through (its ``Reclaimer`` protocol): it demotes
 idle chains (lowest eviction priority first, then least recently used) to host RAM when the pool
-or the cache slots run short,
-swaps a preempted running session's KV out to host memory, and restores a chain's host copy when
-its sequence is admitted again. Past ``host_cache_gb`` host copies are dropped, least recently
+or the cache slots run short, swaps a preempted running session's KV out to host memory, and
+restores a chain's host copy when its sequence is admitted again. Past ``host_cache_gb`` host copies are dropped, least recently
 used first within the lowest eviction priority, to the token history alone (the next turn
 re-prefills it). It also measures what the GPU tier holds of each span of a chain's history
 (``span_kv_tokens``, for cache inspection).
