@@ -270,6 +270,13 @@ class LLMEngine:
     def session_info(self, session_id: Hashable) -> dict:
         return self.chains.info(session_id)
 
+    def set_eviction_priority(self, session_id: Hashable, priority: int) -> None:
+        """Idle sessions of a lower priority leave the GPU (and host RAM) first (``ChainTiers``)."""
+        self.chains.tiers.set_priority(session_id, priority)
+
+    def span_kv_tokens(self, session_id: Hashable) -> list[float] | None:
+        return self.chains.tiers.span_kv_tokens(session_id)
+
     def prune_history(self, session_id: Hashable, start: int, end: int, **policy) -> int:
         return self.chains.prune(session_id, start, end, **policy)
 

@@ -186,6 +186,15 @@ class EngineClient:
         """A new session ``child_key`` sharing ``key``'s history and KV (copy on write)."""
         return await self._thread.call(self._fork, key, child_key)
 
+    async def set_eviction_priority(self, key: str, priority: int) -> None:
+        """Idle sessions of a lower priority are demoted (GPU -> host RAM -> history) first."""
+        await self._thread.call(self._engine.set_eviction_priority, key, priority)
+
+    async def span_kv_tokens(self, key: str) -> tuple[float, ...] | None:
+        """Per span of ``session_info(key).spans``, the KV entries the GPU holds for it (mean over
+        layers and kv-heads); None when the session's KV is not on the GPU."""
+        return await self._thread.call(self._span_kv_tokens, key)
+
     async def prune(self, key: str, spec: PruneSpec) -> PruneResult:
         return await self._thread.call(self._prune, key, spec)
 
@@ -269,6 +278,10 @@ class EngineClient:
                 new_prunes=info.prune_log[stream.prunes_before :] if info is not None else (),
             )
         stream.push((delta, result))
+
+    def _span_kv_tokens(self, key: str) -> tuple[float, ...] | None:
+        kept = self._engine.span_kv_tokens(key)
+        return None if kept is None else tuple(kept)
 
     def _release_turn(self, key: str) -> SessionInfo | None:
         eng = self._engine

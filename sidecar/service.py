@@ -34,6 +34,7 @@ from sidecar.logs import bind_request
 from sidecar.options import ServerOptions
 from sidecar.protocol import InvalidRequest, session_proto, stored_session_proto
 from sidecar.session_ids import BadSessionId, check_id, scoped_key
+from sidecar.session_prune import prune_session
 from sidecar.session_record import Session
 from sidecar.sessions import SessionManager
 from sidecar.store import SessionStore
@@ -256,18 +257,16 @@ class SidecarService:
                 check_span(*spec.span)
         except PruneRuleError as e:
             raise InvalidRequest(str(e)) from None
-        s = await self.sessions.get_settled(key, create=False, deadline=self._deadline(context))
-        if not s.in_engine:
-            raise SessionNotFound(f"no session {request.session_id!r}")
-        running = self.sessions.begin_turn(s, "")
-        try:
-            result = await self.client.prune(key, spec)
-        finally:
-            self.sessions.end_turn(s, running, None)
-        if result.pruned_tokens:
-            s.update(result.session, self.sessions.end_of_turn_id)
-            self.mark_dirty(key)
-            self.hooks.on_prune(result.pruned_tokens, result.removed)
+        result = await prune_session(
+            self.sessions,
+            self.client,
+            key,
+            [spec],
+            mark_dirty=self.mark_dirty,
+            hooks=self.hooks,
+            deadline=self._deadline(context),
+        )
+        s = self.sessions.local(key)
         return pb.PruneHistoryResponse(
             removed=result.removed,
             pruned_tokens=result.pruned_tokens,

@@ -61,6 +61,9 @@ class Session:
     """``front_changes`` as of the last snapshot written."""
     ends_with_eot: bool = False
     """The history ends with the end-of-turn token (the last reply closed its turn)."""
+    eviction_priority: int = 0
+    """Set by ``/v1/prefix_cache/set_eviction_priority``: idle sessions of a lower priority leave the
+    GPU first (the engine's ``Chain.eviction_priority``; re-applied when the session is loaded)."""
     records: "OrderedDict[str, bytes]" = field(default_factory=OrderedDict)
     request_digests: dict[str, str] = field(default_factory=dict)
     """request_id -> the digest of the request it named (a reuse for other content is refused)."""
@@ -97,6 +100,7 @@ class Session:
             "tools_digest": self.tools_digest,
             "tools": self.tools,
             "front": self.front,
+            "eviction_priority": self.eviction_priority,
             "created_at": self.created_at,
             "requests": [[rid, blob] for rid, blob in self.records.items()],
             "request_digests": {rid: self.request_digests[rid] for rid in self.records if rid in self.request_digests},
@@ -106,6 +110,8 @@ class Session:
         self.tools_digest = app.get("tools_digest", "")
         self.tools = list(app.get("tools") or [])
         self.front = dict(app.get("front") or {})
+        priority = app.get("eviction_priority", 0)
+        self.eviction_priority = priority if isinstance(priority, int) and not isinstance(priority, bool) else 0
         self.created_at = app.get("created_at", self.created_at)
         self.records = OrderedDict((rid, bytes(blob)) for rid, blob in app.get("requests", []))
         digests = app.get("request_digests") or {}

@@ -36,6 +36,7 @@ from typing import Callable
 from engine.chain import SessionBusy, SessionError, SessionNotFound, TurnIndexMismatch
 from engine.lifecycle import MethodError
 from sidecar.engine_client import EngineClient
+from sidecar.ended_sessions import EndedSessions
 from sidecar.engine_results import SessionInfo
 from sidecar.session_record import Running, Session, recorded_in
 from sidecar.snapshot_codec import join_snapshot
@@ -74,6 +75,8 @@ class SessionManager:
         self._sessions: dict[str, Session] = {}
         self._load_locks: "weakref.WeakValueDictionary[str, asyncio.Lock]" = weakref.WeakValueDictionary()
         self.loads = {"store": 0, "recompute": 0}
+        self.ended = EndedSessions()
+        """Keys of the sessions ended or expired here (a chain client is told they are gone)."""
         self.on_store_behind: Callable[[str], None] | None = None
         """Called with a session's key when the store turns out to hold less than this replica
         committed for it (the snapshot writer rewrites it)."""
@@ -278,6 +281,8 @@ class SessionManager:
         )
         s.load_app_meta(stored.app)
         s.update(info, self.end_of_turn_id)
+        if s.eviction_priority:
+            await self.engine.set_eviction_priority(key, s.eviction_priority)
         self._sessions[key] = s
         self.loads["store" if snap.kv is not None else "recompute"] += 1
         if kv_error:
@@ -353,6 +358,8 @@ class SessionManager:
                 deleted = await asyncio.to_thread(self.store.delete, key)
         if not here and not deleted and not keep_snapshot:
             raise SessionNotFound(f"no session {key.split('/')[-1]!r}")
+        if not keep_snapshot:
+            self.ended.add(key)
         return here, deleted
 
     async def evict_idle(self, idle_s: float) -> int:
@@ -391,6 +398,8 @@ class SessionManager:
         for s in victims:
             s.ended = True
             await self._drop_local(s)
+            if self.store is None:  # nothing of it is left anywhere
+                self.ended.add(s.key)
         return len(victims)
 
 

@@ -53,6 +53,9 @@ class Chain:
     """The KV and method state in host RAM (state HOST), or a loaded store snapshot."""
     host_source: Tier = Tier.HOST
     last_used: float = field(default_factory=time.monotonic)
+    eviction_priority: int = 0
+    """Idle chains of a lower priority are demoted (GPU -> host -> history) first; least recently
+    used first within one priority (``ChainTiers.demotion_order``)."""
     prefix_holder: tuple | None = None
     prefix_hashes: list[bytes] = field(default_factory=list)
     """Page hashes of a shared prefix this session prefills; a holder is registered under them

@@ -1,10 +1,12 @@
 """Tier moves of session chains: GPU pages <-> host RAM <-> the history alone.
 
 ``ChainTiers`` is what the Scheduler reclaims through (its ``Reclaimer`` protocol): it demotes
-idle chains (least recently used first) to host RAM when the pool or the cache slots run short,
-swaps a preempted running session's KV out to host memory, and restores a chain's host copy when
-its sequence is admitted again. Past ``host_cache_gb`` host copies are dropped, least recently
-used first, to the token history alone (the next turn re-prefills it).
+idle chains (lowest eviction priority first, then least recently used) to host RAM when the pool
+or the cache slots run short, swaps a preempted running session's KV out to host memory, and
+restores a chain's host copy when its sequence is admitted again. Past ``host_cache_gb`` host copies are dropped, least recently
+used first within the lowest eviction priority, to the token history alone (the next turn
+re-prefills it). It also measures what the GPU tier holds of each span of a chain's history
+(``span_kv_tokens``, for cache inspection).
 """
 
 from __future__ import annotations
@@ -16,12 +18,18 @@ import torch
 from engine.cache.manager import CacheManager
 from engine.cache.snapshot import SessionSnapshot
 from engine.cache.transfer import ceil_div
-from engine.chain.errors import SessionError
+from engine.chain.errors import SessionError, SessionNotFound
 from engine.chain.records import Chain, ChainState, Tier
 from engine.controller import SparseController
 from engine.lifecycle import SeqInfo
 from engine.prefix import PrefixIndex
 from engine.sequence import Sequence
+
+
+def demotion_order(chain: Chain) -> tuple[int, float]:
+    """Which idle chain leaves a tier first: the lowest ``eviction_priority``, then the least
+    recently used."""
+    return chain.eviction_priority, chain.last_used
 
 
 class ChainTiers:
@@ -46,14 +54,14 @@ class ChainTiers:
     # --- the scheduler's side (Reclaimer) ---------------------------------------------------------
     def reclaim(self, pages: int) -> int:
         """Free at least ``pages`` pages if idle state allows: idle prefix holders, then idle chains
-        (least recently used first) demoted to host RAM. Returns the pages freed."""
+        (``demotion_order``) demoted to host RAM. Returns the pages freed."""
         freed = 0
         while freed < pages:
             n = self.prefixes.drop_idle()
             if n == 0:
                 break
             freed += n
-        for chain in sorted(self._idle(), key=lambda c: c.last_used):
+        for chain in sorted(self._idle(), key=demotion_order):
             if freed >= pages:
                 break
             before = self.manager.pool.num_free
@@ -62,8 +70,8 @@ class ChainTiers:
         return freed
 
     def reclaim_slot(self) -> bool:
-        """Free one cache slot: demote the least recently used idle chain, or drop an idle prefix holder."""
-        idle = sorted(self._idle(), key=lambda c: c.last_used)
+        """Free one cache slot: demote the first idle chain in ``demotion_order``, or drop an idle prefix holder."""
+        idle = sorted(self._idle(), key=demotion_order)
         if idle:
             self.demote(idle[0])
             return True
@@ -118,6 +126,30 @@ class ChainTiers:
             self.prefixes.detach(chain.prefix_holder)
             chain.prefix_holder = None
 
+    # --- priorities and residency ----------------------------------------------------------------
+    def _chain(self, session_id: Hashable) -> Chain:
+        chain = self.chains.get(session_id)
+        if chain is None:
+            raise SessionNotFound(f"no session {session_id!r}")
+        return chain
+
+    def set_priority(self, session_id: Hashable, priority: int) -> None:
+        """The chain's place in ``demotion_order``: a lower priority leaves a tier first."""
+        self._chain(session_id).eviction_priority = int(priority)
+
+    def span_kv_tokens(self, session_id: Hashable) -> list[float] | None:
+        """Per tagged span of the session's history, the KV entries the GPU holds for it, averaged
+        over layers and kv-heads (a span a method or a pruning shrank holds fewer than its length);
+        None when the session's KV is not on the GPU."""
+        chain = self._chain(session_id)
+        if not self.manager.has(session_id):
+            return None
+        pos = self.manager.positions(session_id)
+        per_position = torch.bincount(pos[pos >= 0].long().flatten(), minlength=len(chain.history) + 1)
+        upto = [0] + per_position.cumsum(0).tolist()
+        heads = pos.shape[0] * pos.shape[1]
+        return [(upto[s.end] - upto[s.start]) / heads for s in chain.spans]
+
     # --- moves ------------------------------------------------------------------------------------
     def _idle(self) -> list[Chain]:
         return [c for c in self.chains.values() if c.state is ChainState.IDLE and self.manager.has(c.session_id)]
@@ -169,10 +201,10 @@ class ChainTiers:
         return SessionSnapshot(meta=meta, kv=self.manager.snapshot(sid), tensors=tensors)
 
     def _make_host_room(self, nbytes: int, keep: Chain | None = None) -> bool:
-        """Drop idle sessions' host copies (least recently used first, ``keep`` spared) to their
-        history until ``nbytes`` more fit in ``host_cache_gb``."""
+        """Drop idle sessions' host copies (in ``demotion_order``, ``keep`` spared) to their history
+        until ``nbytes`` more fit in ``host_cache_gb``."""
         victims = sorted(
-            (c for c in self.chains.values() if c.state is ChainState.HOST and c is not keep), key=lambda c: c.last_used
+            (c for c in self.chains.values() if c.state is ChainState.HOST and c is not keep), key=demotion_order
         )
         for c in victims:
             if self.host_bytes + nbytes <= self.host_limit:

@@ -6,7 +6,9 @@
     await http.stop()
 
 Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/chat/completions``,
-``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``, ``GET /health``. Every route but
+``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``, the cache control of
+``/v1/prefix_cache/`` (``inspect``, ``match``, ``delete_subtree``, ``set_eviction_priority``, ``prune``
+and ``GET prune/{prune_id}``; sidecar/http/cache_control.py), ``GET /health``. Every route but
 ``/health`` takes ``Authorization: Bearer <token>`` when auth is on.
 """
 
@@ -25,6 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from sidecar.http import errors
 from sidecar.http.backend import SessionBackend
+from sidecar.http.cache_control import CacheControl
 from sidecar.http.chat_completions import ChatCompletions
 from sidecar.http.errors import OpenAIError
 from sidecar.http.requests import body_object
@@ -78,10 +81,12 @@ def build_app(server: "SidecarServer", options: HttpOptions | None = None) -> Fa
     backend = SessionBackend(server, model)
     chat = ChatCompletions(backend)
     responses = Responses(backend)
+    cache = CacheControl(backend, chat)
     app = FastAPI(title="chainkv", docs_url=None, redoc_url=None, openapi_url=None)
     errors.install(app)
     guard = functools.partial(_openai_errors, store_failed=server.store_failed)
     app.state.backend, app.state.chat, app.state.responses = backend, chat, responses
+    app.state.cache_control = cache
     created = int(time.time())
 
     async def body(request: Request) -> dict:
@@ -155,6 +160,27 @@ def build_app(server: "SidecarServer", options: HttpOptions | None = None) -> Fa
     @guard
     async def delete_response(response_id: str, authorization: str | None = Header(None)):
         return await responses.delete(response_id, authorization)
+
+    @app.post("/v1/prefix_cache/{action}")
+    @_openai_errors
+    async def prefix_cache(action: str, request: Request, authorization: str | None = Header(None)):
+        handler = {
+            "inspect": cache.inspect,
+            "match": cache.match,
+            "delete_subtree": cache.delete_subtree,
+            "set_eviction_priority": cache.set_eviction_priority,
+        }.get(action)
+        if action == "prune":
+            return JSONResponse(await cache.prune(await body(request), authorization), status_code=202)
+        if handler is None:
+            backend.tenant(authorization)  # an unknown action is no hint to a caller without a token
+            raise OpenAIError(404, f"no prefix_cache action {action[:100]!r}", "not_found_error")
+        return await handler(await body(request), authorization)
+
+    @app.get("/v1/prefix_cache/prune/{prune_id}")
+    @_openai_errors
+    async def prune_status(prune_id: str, authorization: str | None = Header(None)):
+        return cache.prune_status(prune_id, authorization)
 
     return app
 

@@ -17,10 +17,14 @@ from typing import TYPE_CHECKING, AsyncIterator, Mapping
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.http.errors import invalid
+from sidecar.engine_client import PruneSpec
+from sidecar.engine_results import PruneResult, SessionInfo
 from sidecar.server import Draining
+from sidecar.session_prune import prune_session
 from sidecar.session_ids import scoped_key
 from sidecar.session_record import Session
 from sidecar.structured import OutputSpecError
+from sidecar.store import StoredSession
 from sidecar.transcript_index import Found, StoredTranscripts
 
 log = logging.getLogger(__name__)
@@ -105,6 +109,10 @@ class SessionBackend:
             return None
         return s if s.in_engine and s.turn_index >= at_least else None
 
+    def was_ended(self, key: str) -> bool:
+        """The session was ended (or expired with nothing stored) on this replica."""
+        return key in self.server.sessions.ended
+
     async def end(self, key: str, keep_snapshot: bool = False) -> None:
         from engine.chain import SessionNotFound
 
@@ -126,6 +134,36 @@ class SessionBackend:
         await self.server.write_now(s.key)
         if s.snapshot_pending:
             raise StoreUnavailable(f"the change was not written to the store ({s.snapshot_error}); retry")
+
+    # --- cache control ------------------------------------------------------------------------------
+    async def session_info(self, key: str) -> SessionInfo:
+        return await self.server.client.session_info(key)
+
+    async def span_kv_tokens(self, key: str) -> tuple[float, ...] | None:
+        return await self.server.client.span_kv_tokens(key)
+
+    async def stored(self, key: str) -> StoredSession | None:
+        """The store's committed record of the session (no KV); None without a store or a record."""
+        if self.server.store is None:
+            return None
+        return await asyncio.to_thread(self.server.store.load, key, False)
+
+    async def end_session(self, key: str) -> tuple[bool, bool]:
+        """End the session here and delete it from the store: (ended here, deleted from the store).
+        Raises SessionNotFound when it was nowhere."""
+        return await self.server.sessions.end(key, False, self.server.write_now)
+
+    async def set_eviction_priority(self, s: Session, priority: int) -> None:
+        """Record it with the session (its snapshot carries it) and tell the engine."""
+        s.eviction_priority = priority
+        await self.server.client.set_eviction_priority(s.key, priority)
+        await self.front_changed(s)
+
+    async def prune(self, key: str, specs: list[PruneSpec]) -> PruneResult:
+        server = self.server
+        return await prune_session(
+            server.sessions, server.client, key, specs, mark_dirty=server.mark_dirty, hooks=server.hooks
+        )
 
     # --- the transcript index in the store -----------------------------------------------------------
     def stored_transcripts(self, front_key: str, turn_key: str) -> StoredTranscripts | None:

@@ -6,7 +6,9 @@ conversations) and the new messages after it; only those run as the session's ne
 built with the ``openai`` package's own types (``ChatCompletion``, ``ChatCompletionChunk``), so
 their shape is the SDK's. Streaming is server-sent events: a role chunk, content chunks, one chunk
 per tool call, the finish chunk, then (``stream_options.include_usage``) a usage chunk, then
-``[DONE]``. A client that disconnects mid-stream stops the turn, which is rolled back.
+``[DONE]``. A client that disconnects mid-stream stops the turn, which is rolled back. A request
+with ``chain_id`` speaks SparseEngine's chain protocol instead of naming or matching a session
+(sidecar/http/chain_protocol.py).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from typing import Any, AsyncIterator
 
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from engine.chain import SessionBusy, TurnIndexMismatch
+from engine.chain import SessionBusy, SessionNotFound, TurnIndexMismatch
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.chat import tool_from_json, tools_digest
+from sidecar.http import chain_protocol
 from sidecar.http import requests as rq
 from sidecar.http.backend import SessionBackend, prepend
 from sidecar.http.conversations import (
@@ -80,6 +83,25 @@ def parse_messages(raw: Any) -> list[pb.Message]:
     return out
 
 
+def transcript_digests(tenant: str, messages: list[pb.Message], base: pb.TurnRequest) -> tuple[list[dict], list[bytes]]:
+    """The messages as dicts, and the digest of each prefix of them (``out[k]``: ``messages[:k]``)
+    for ``tenant`` with ``base``'s tools and method (sidecar/http/conversations.py)."""
+    try:
+        dicts = [message_dict(m) for m in messages]
+        tdigest = tools_digest([tool_from_json(t.name, t.description, t.parameters_json) for t in base.tools])
+    except (InvalidRequest, ValueError) as e:
+        raise invalid(str(e)) from None
+    method = json.dumps(
+        [
+            base.method,
+            base.budget if base.HasField("budget") else None,
+            base.budget_ratio if base.HasField("budget_ratio") else None,
+            sorted(base.method_args.items()),
+        ]
+    )
+    return dicts, prefix_digests(seed_digest(tenant, tdigest, method), dicts)
+
+
 class ChatCompletions:
     def __init__(self, backend: SessionBackend, index: TranscriptIndex | None = None):
         self.backend = backend
@@ -108,24 +130,17 @@ class ChatCompletions:
         rq.set_tool_choice(base, body.get("tool_choice"), nested=True)
         rq.set_format(base, body.get("response_format"), "response_format", nested=True)
         rq.set_extension(base, body)
-        key_hint = body.get("prompt_cache_key") or session_header
+        roles = [m.role for m in messages]
+        chain = chain_protocol.chain_request(body, roles)  # before anything looks the session up
+        key_hint = None if chain is not None else body.get("prompt_cache_key") or session_header
         if key_hint is not None and (not isinstance(key_hint, str) or not key_hint or len(key_hint) > 1024):
             raise invalid("prompt_cache_key must be a non-empty string of at most 1024 characters", "prompt_cache_key")
-        try:
-            dicts = [message_dict(m) for m in messages]
-            tdigest = tools_digest([tool_from_json(t.name, t.description, t.parameters_json) for t in base.tools])
-        except (InvalidRequest, ValueError) as e:
-            raise invalid(str(e)) from None
-        method = json.dumps(
-            [
-                base.method,
-                base.budget if base.HasField("budget") else None,
-                base.budget_ratio if base.HasField("budget_ratio") else None,
-                sorted(base.method_args.items()),
-            ]
-        )
-        digests = prefix_digests(seed_digest(tenant, tdigest, method), dicts)
-        plan = await self._plan(tenant, key_hint, digests, messages)
+        dicts, digests = transcript_digests(tenant, messages, base)
+        if chain is not None:
+            t = await chain_protocol.resolve(self.backend, tenant, chain, digests, roles)
+            plan = _Plan(t.session_id, t.key, t.start, t.turn_index, explicit=True, chain=t)
+        else:
+            plan = await self._plan(tenant, key_hint, digests, messages)
         run = _Run(self, authorization, base, plan, messages, digests, dicts, model, bool(opts.get("include_usage")))
         if stream:
             events = run.events()
@@ -206,7 +221,15 @@ def _continues(s, digests: list[bytes], messages: list) -> int | None:
 
 
 class _Plan:
-    def __init__(self, session_id: str, key: str, start: int, turn_index: int | None, explicit: bool):
+    def __init__(
+        self,
+        session_id: str,
+        key: str,
+        start: int,
+        turn_index: int | None,
+        explicit: bool,
+        chain: chain_protocol.ChainTarget | None = None,
+    ):
         self.session_id, self.key, self.start, self.turn_index, self.explicit = (
             session_id,
             key,
@@ -214,6 +237,8 @@ class _Plan:
             turn_index,
             explicit,
         )
+        self.chain = chain
+        """Set for a request of the chain protocol."""
 
 
 class _Run:
@@ -245,8 +270,11 @@ class _Run:
                     first = False
                     yield event
                 return
-            except (SessionBusy, TurnIndexMismatch):
-                if not first or plan.explicit or plan.start == 0:
+            except (SessionBusy, TurnIndexMismatch, SessionNotFound) as e:
+                mapped = chain_protocol.turn_error(e, self.owner.backend, plan.chain) if plan.chain else None
+                if mapped is not None and first:
+                    raise mapped from None
+                if isinstance(e, SessionNotFound) or not first or plan.explicit or plan.start == 0:
                     raise
                 # the matched session moved on or is busy: run this conversation as a new session
                 sid = "chat-" + uuid.uuid4().hex
@@ -285,7 +313,10 @@ class _Run:
             "usage": _usage(c.usage),
             "system_fingerprint": None,
         }
-        return ChatCompletion.model_validate(out).model_dump(mode="json", exclude_unset=True)
+        reply = ChatCompletion.model_validate(out).model_dump(mode="json", exclude_unset=True)
+        if self.plan.chain is not None:
+            reply.update(chain_protocol.reply_fields(self.plan.chain))
+        return reply
 
     async def sse(self, events: AsyncIterator[pb.TurnEvent], first: pb.TurnEvent) -> AsyncIterator[str]:
         def chunk(choices, usage=None) -> str:
@@ -299,6 +330,8 @@ class _Run:
             if usage is not None:
                 body["usage"] = usage
             data = ChatCompletionChunk.model_validate(body).model_dump(mode="json", exclude_unset=True)
+            if self.plan.chain is not None:
+                data.update(chain_protocol.reply_fields(self.plan.chain))
             return f"data: {json.dumps(data)}\n\n"
 
         try:
