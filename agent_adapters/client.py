@@ -28,6 +28,10 @@ acknowledged under ``--durability async`` and lost to a crash, a store restored 
 raises ``ChainKVError`` FAILED_PRECONDITION with ``session_turn_index``, the turns the session
 holds: send every message after them again, with that index (``agent_adapters.conversation`` does).
 
+Routing. Every session call carries its session id as ``x-session-id`` metadata, which a proxy in
+front of a pool of replicas hashes on to keep the session on the replica holding its KV
+(docs/deploy.md).
+
 The retry machinery and errors live in ``agent_adapters.retry``, the TurnRequest and the stream's
 resumption in ``agent_adapters.turns``; their public names are importable from here too.
 
@@ -98,10 +102,13 @@ class _Base:
 
     def _turn_attempts(self, req: pb.TurnRequest, timeout_s: float | None) -> _Attempts:
         """A Turn is retried only with a request_id (the server then replays instead of running twice)."""
-        return _Attempts(self, timeout_s, repeatable=bool(req.request_id))
+        return _Attempts(self, timeout_s, repeatable=bool(req.request_id), session_id=req.session_id)
 
-    def _unary_attempts(self, method: str, timeout_s: float | None) -> _Attempts:
-        return _Attempts(self, timeout_s, repeatable=method not in _NOT_REPEATABLE)
+    def _unary_attempts(self, method: str, request, timeout_s: float | None) -> _Attempts:
+        """Every session RPC sends its session id as ``x-session-id`` metadata (a pool's proxy routes on it)."""
+        return _Attempts(
+            self, timeout_s, repeatable=method not in _NOT_REPEATABLE, session_id=getattr(request, "session_id", "")
+        )
 
 
 class ChainKVClient(_Base):
@@ -170,7 +177,7 @@ class ChainKVClient(_Base):
 
     # --- sessions ------------------------------------------------------------------------------
     def _unary(self, method: str, request, timeout_s: float | None):
-        attempts = self._unary_attempts(method, timeout_s)
+        attempts = self._unary_attempts(method, request, timeout_s)
         while True:
             try:
                 return getattr(self.stub, method)(request, **attempts.next())
@@ -268,7 +275,7 @@ class AsyncChainKVClient(_Base):
         return _final_result(result)
 
     async def _unary(self, method: str, request, timeout_s: float | None):
-        attempts = self._unary_attempts(method, timeout_s)
+        attempts = self._unary_attempts(method, request, timeout_s)
         while True:
             try:
                 return await getattr(self.stub, method)(request, **attempts.next())

@@ -20,6 +20,8 @@ from google.protobuf.message import DecodeError
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 
+from sidecar.session_ids import SESSION_HEADER
+
 if TYPE_CHECKING:
     from agent_adapters.client import _Base
 
@@ -90,15 +92,16 @@ class _Attempts:
     after how long a failed attempt is retried (``repeatable``: the call may be sent again, i.e. a Turn
     with a request_id or an idempotent session RPC; the error is retryable; attempts and deadline left)."""
 
-    def __init__(self, client: "_Base", timeout_s: float | None, repeatable: bool):
+    def __init__(self, client: "_Base", timeout_s: float | None, repeatable: bool, session_id: str = ""):
         t = client.timeout_s if timeout_s is None else timeout_s
         self.deadline = None if t is None else time.monotonic() + t
-        self.policy, self.metadata, self.repeatable = client.retry, client.metadata, repeatable
+        self.policy, self.repeatable = client.retry, repeatable
+        self.metadata = client.metadata + ((SESSION_HEADER, session_id),) if session_id else client.metadata
         self.count = 0
 
     def next(self) -> dict[str, Any]:
         """Start an attempt: the stub call's keyword arguments (what is left of the deadline, the auth
-        metadata, and wait_for_ready on retries so a reconnecting channel is waited for)."""
+        metadata and the session id header, and wait_for_ready on retries so a reconnecting channel is waited for)."""
         self.count += 1
         left = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
         return {"timeout": left, "metadata": self.metadata, "wait_for_ready": self.count > 1}

@@ -24,6 +24,7 @@ import grpc
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
+from sidecar.session_ids import SESSION_HEADER
 
 TOOLS = [
     pb.Tool(
@@ -192,7 +193,8 @@ def run_demo(
     out=sys.stdout,
 ) -> int:
     session = session or f"demo-{uuid.uuid4().hex[:8]}"
-    metadata = [("authorization", f"Bearer {token}")] if token else None
+    # the session id travels as metadata too: a pool's proxy routes every call of it to one replica
+    metadata = [(SESSION_HEADER, session)] + ([("authorization", f"Bearer {token}")] if token else [])
     if tls_ca:
         channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(open(tls_ca, "rb").read()))
     else:

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import re
 
+SESSION_HEADER = "x-session-id"
+"""The gRPC metadata key / HTTP header a client sends its session id in on every session call: a
+proxy in front of a pool of replicas hashes on it to keep a session on the replica holding its KV
+(deploy/k8s/overlays/pool). The HTTP front also takes it as Chat Completions' ``prompt_cache_key``."""
 SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:@+=~-]{1,128}")
 MAX_ID_LEN = 128
 

@@ -15,6 +15,12 @@ a folder the store made, so no session folder can be this one).
 Writing. An entry is written after a snapshot whose sidecar metadata carries the digest is committed
 (``SnapshotWriter.on_commit``): a replica that reads it finds the session stored at that transcript.
 
+Bounds. As in a replica's own index, a session has one entry: its latest. Each session has a pointer
+to its entry (Redis ``<prefix>:txs:{<tenant hash>}:<name of the key>``, in the tenant's hash tag; a
+``DirectoryStore`` file ``<root>/transcript+latest/p-<name of the key>``), and writing the session's
+new entry deletes the one it points to (if that still names the session). Entries and pointers
+expire with the store's TTL, so the index holds at most one entry per session stored.
+
 Trust. An entry is a hint: ``find`` takes an entry only for a key of the asking tenant whose stored
 session (``store.load`` without its KV) still records the digest in its front metadata. An entry whose
 session is gone (ended, expired) or has moved on is ignored and deleted (only if it still holds the
@@ -41,9 +47,12 @@ log = logging.getLogger(__name__)
 
 FORMAT = "chainkv-transcript/1"
 FOLDER = "transcript+index"
+LATEST_FOLDER = "transcript+latest"
+"""The directory store's per-session pointers to their latest entry."""
 MAX_VERIFY = 8
 """At most this many entries are checked against their session per lookup (each check is a store read)."""
 _ENTRY_RE = re.compile(r"t-[a-z2-7]{52}")
+_POINTER_RE = re.compile(r"p-[a-z2-7]{52}")
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,12 @@ def tenant_of(key: str) -> str:
 def entry_name(tenant: str, digest: bytes) -> str:
     """52 characters of ``[a-z2-7]``: base32 of SHA-256(tenant, digest)."""
     h = hashlib.sha256(b"chainkv-transcript-entry/1\0" + tenant.encode("utf-8", "surrogatepass") + b"\0" + digest)
+    return base64.b32encode(h.digest()).decode().rstrip("=").lower()
+
+
+def pointer_name(key: str) -> str:
+    """52 characters of ``[a-z2-7]``: base32 of SHA-256(session key)."""
+    h = hashlib.sha256(b"chainkv-transcript-latest/1\0" + key.encode("utf-8", "surrogatepass"))
     return base64.b32encode(h.digest()).decode().rstrip("=").lower()
 
 
@@ -95,7 +110,7 @@ class StoredTranscripts:
             digest = bytes.fromhex(digest_hex)
         except ValueError:
             return
-        self.entries.put(tenant_of(key), digest, key)
+        self.entries.put_latest(tenant_of(key), digest, key)
 
     def find(self, tenant: str, digests: list[bytes]) -> Found | None:
         """The first of ``digests`` (put the longest prefix first) whose entry names a session of
@@ -159,6 +174,11 @@ class _Entries:
     def put(self, tenant: str, digest: bytes, key: str) -> None:
         raise NotImplementedError
 
+    def put_latest(self, tenant: str, digest: bytes, key: str) -> None:
+        """``put``, as the session's only entry: the one its pointer names is deleted if it still names
+        ``key``, and the pointer names this one."""
+        raise NotImplementedError
+
     def remove_if(self, tenant: str, digest: bytes, key: str) -> None:
         """Delete the entry if it still names ``key``."""
         raise NotImplementedError
@@ -173,14 +193,44 @@ return 0
 """
 
 
+# KEYS: the new entry, the session's pointer, the entry the pointer named when read (or the new
+# entry again); ARGV: the session key, the TTL. The old entry goes only if the pointer still names
+# it and it still names the session (a concurrent writer's entries survive).
+_PUT_LATEST_LUA = """
+if KEYS[3] ~= KEYS[1] and redis.call('GET', KEYS[2]) == KEYS[3] and redis.call('GET', KEYS[3]) == ARGV[1] then
+  redis.call('DEL', KEYS[3])
+end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+redis.call('SET', KEYS[2], KEYS[1], 'EX', ARGV[2])
+return 1
+"""
+
+
 class _RedisEntries(_Entries):
     def __init__(self, store: RedisStore):
         self.store = store
         self._remove_if = store.client.register_script(_REMOVE_IF_LUA)
+        self._put_latest = store.client.register_script(_PUT_LATEST_LUA)
+
+    def _tag(self, tenant: str) -> str:
+        """The tenant's hash tag: its entries and pointers are in one cluster slot."""
+        return hashlib.sha256(b"chainkv-transcript-tenant/1\0" + tenant.encode("utf-8", "surrogatepass")).hexdigest()[
+            :32
+        ]
 
     def name(self, tenant: str, digest: bytes) -> str:
-        tag = hashlib.sha256(b"chainkv-transcript-tenant/1\0" + tenant.encode("utf-8", "surrogatepass")).hexdigest()
-        return f"{self.store.prefix}:tx:{{{tag[:32]}}}:{entry_name(tenant, digest)}"
+        return f"{self.store.prefix}:tx:{{{self._tag(tenant)}}}:{entry_name(tenant, digest)}"
+
+    def pointer(self, tenant: str, key: str) -> str:
+        return f"{self.store.prefix}:txs:{{{self._tag(tenant)}}}:{pointer_name(key)}"
+
+    def put_latest(self, tenant: str, digest: bytes, key: str) -> None:
+        new, pointer = self.name(tenant, digest), self.pointer(tenant, key)
+        old = self.store.call(self.store.client.get, pointer)
+        old = old.decode("utf-8", "replace") if old is not None else new
+        if not old.startswith(f"{self.store.prefix}:tx:{{{self._tag(tenant)}}}:"):
+            old = new  # not an entry of this tenant's: left alone
+        self.store.call(self._put_latest, keys=[new, pointer, old], args=[key.encode(), self.store.ttl_seconds()])
 
     def get_many(self, tenant: str, digests: list[bytes]) -> list[str | None]:
         raw = self.store.call(self.store.client.mget, [self.name(tenant, d) for d in digests])
@@ -198,8 +248,38 @@ class _DirectoryEntries(_Entries):
         self.store = store
         self.folder = store.root / FOLDER
 
+        self.latest = store.root / LATEST_FOLDER
+
     def path(self, tenant: str, digest: bytes) -> Path:
         return self.folder / ("t-" + entry_name(tenant, digest))
+
+    def pointer(self, key: str) -> Path:
+        return self.latest / ("p-" + pointer_name(key))
+
+    def _read_pointer(self, path: Path) -> str | None:
+        """The entry file name a pointer names, or None (missing, unreadable or expired)."""
+        try:
+            fmt, name, expires_at = msgpack.unpackb(path.read_bytes(), raw=False)
+        except (OSError, ValueError, TypeError, msgpack.UnpackException):
+            return None
+        if fmt != FORMAT or not isinstance(name, str) or not _ENTRY_RE.fullmatch(name):
+            return None
+        if not isinstance(expires_at, (int, float)) or expires_at < time.time():
+            return None
+        return name
+
+    def put_latest(self, tenant: str, digest: bytes, key: str) -> None:
+        new = self.path(tenant, digest)
+        old = self._read_pointer(self.pointer(key))
+        if old is not None and old != new.name and self._read(self.folder / old, None) == key:
+            (self.folder / old).unlink(missing_ok=True)
+        self.put(tenant, digest, key)
+        try:
+            self.latest.mkdir(exist_ok=True)
+        except OSError as e:
+            raise StoreUnavailable(f"cannot create {self.latest}: {e}") from None
+        body = msgpack.packb([FORMAT, new.name, time.time() + self.store.ttl_s], use_bin_type=True)
+        self.store.atomic_write(self.pointer(key), body)
 
     def _read(self, path: Path, digest: bytes | None) -> str | None:
         """The key an entry file names, or None (missing, unreadable, another digest's, or expired:
@@ -242,7 +322,22 @@ class _DirectoryEntries(_Entries):
         for p in entries:
             if _ENTRY_RE.fullmatch(p.name) and not p.is_symlink() and p.is_file() and self._read(p, None) is None:
                 n += not p.exists()  # ``_read`` deleted it: expired (an unreadable entry is left alone)
+        try:
+            pointers = list(self.latest.iterdir())
+        except OSError:
+            return n
+        for p in pointers:  # expired pointers go too (not counted: they are not entries)
+            if _POINTER_RE.fullmatch(p.name) and not p.is_symlink() and p.is_file() and self._expired(p):
+                p.unlink(missing_ok=True)
         return n
+
+    @staticmethod
+    def _expired(path: Path) -> bool:
+        try:
+            expires_at = msgpack.unpackb(path.read_bytes(), raw=False)[2]
+        except (OSError, ValueError, TypeError, IndexError, KeyError, msgpack.UnpackException):
+            return False
+        return isinstance(expires_at, (int, float)) and expires_at < time.time()
 
 
 def sweep(store: SessionStore | None) -> int:

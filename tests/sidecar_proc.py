@@ -74,6 +74,8 @@ class Sidecar:
         self.port: int | None = None
         self.http_port: int | None = None
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
+        """The HTTP front's port, when ``--http-port`` is among ``extra``."""
         self._ready = threading.Event()
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
         return self
@@ -83,6 +85,8 @@ class Sidecar:
             self.output.append(line)
             if line.startswith("chainkv: metrics on http://"):
                 self.metrics_port = int(line.rsplit(":", 1)[1].split("/")[0])
+            if line.startswith("chainkv: serving the OpenAI-compatible HTTP API on http://"):
+                self.http_port = int(line.split("http://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
             if "serving chainkv.v1.Sidecar on" in line:
                 self.port = int(line.split(" on ", 1)[1].split()[0].rsplit(":", 1)[1])
             if "OpenAI-compatible HTTP API on http://" in line:

@@ -204,3 +204,39 @@ def test_both_clients_open_a_tls_channel_with_the_ca_and_a_plain_one_without(tmp
     plain = ChainKVClient("h:3", max_message_bytes=123)
     assert isinstance(plain.channel, grpc.Channel) and plain.stub is not None
     plain.close()
+
+
+def test_both_clients_send_the_session_id_as_metadata_on_every_session_call():
+    """A pool's proxy routes on ``x-session-id`` (deploy/k8s/overlays/pool/haproxy.cfg)."""
+    import asyncio
+    from unittest import mock
+
+    from agent_adapters.client import AsyncChainKVClient, ChainKVClient
+    from agent_adapters.turns import build_turn_request
+
+    expected = (("authorization", "Bearer t"), ("x-session-id", "run-7"))
+    client = ChainKVClient("h:1", token="t")
+    assert (
+        client._turn_attempts(build_turn_request("run-7", [{"role": "user", "content": "hi"}]), None).next()["metadata"]
+        == expected
+    )
+    client.stub = mock.Mock()
+    client.get_session("run-7")
+    client.end_session("run-7")
+    client.resume("run-7")
+    client.fork_session("run-7", "run-8")
+    for call in client.stub.method_calls:
+        assert call.kwargs["metadata"] == expected, call
+    client.server_info()  # names no session: no header
+    assert client.stub.method_calls[-1].kwargs["metadata"] == (("authorization", "Bearer t"),)
+    client.close()
+
+    async def run_async():
+        aclient = AsyncChainKVClient("h:2")
+        aclient.stub = mock.Mock(GetSession=mock.AsyncMock(), EndSession=mock.AsyncMock())
+        await aclient.get_session("run-7")
+        await aclient.end_session("run-7")
+        await aclient.close()
+        return [c.kwargs["metadata"] for c in (aclient.stub.GetSession.await_args, aclient.stub.EndSession.await_args)]
+
+    assert asyncio.run(run_async()) == [(("x-session-id", "run-7"),)] * 2

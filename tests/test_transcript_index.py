@@ -126,3 +126,38 @@ def test_a_digest_recorded_at_another_turn_is_not_the_sessions_transcript(store)
     assert idx.entries.get_many("alpha", [_digest(11)]) == [None]  # not indexed
     idx.entries.put("alpha", _digest(11), "alpha/chat-l")
     assert idx.find("alpha", [_digest(11)]) is None
+
+
+def _entry_count(store) -> int:
+    if isinstance(store, RedisStore):
+        return sum(1 for _ in store.client.scan_iter(f"{store.prefix}:tx:*"))
+    return len(os.listdir(store.root / FOLDER))
+
+
+def test_a_session_keeps_one_entry_its_latest(store):
+    """The same bound as a replica's own index: one entry per session, however many turns it ran."""
+    idx = StoredTranscripts(store, FRONT, TURN)
+    key, other = "alpha/chat-long", "alpha/chat-other"
+    idx.put_committed(other, _commit(store, other, _digest(40)))
+    for turn in range(1, 6):
+        idx.put_committed(key, _commit(store, key, _digest(40 + turn), expected=turn - 1 or None, turn=turn))
+    assert _entry_count(store) == 2
+    assert idx.entries.get_many("alpha", [_digest(41), _digest(44)]) == [None, None]
+    assert idx.entries.get_many("alpha", [_digest(45), _digest(40)]) == [key, other]
+    assert idx.find("alpha", [_digest(45)]).turn_index == 5
+    # an entry the session's pointer names but that another session rewrote since is not deleted
+    idx.entries.put("alpha", _digest(45), other)
+    idx.put_committed(key, _commit(store, key, _digest(46), expected=5, turn=6))
+    assert idx.entries.get_many("alpha", [_digest(45), _digest(46)]) == [other, key]
+
+
+def test_expired_directory_pointers_are_swept(tmp_path):
+    store = DirectoryStore(tmp_path / "store", ttl_s=60)
+    idx = StoredTranscripts(store, FRONT, TURN)
+    idx.put_committed("alpha/chat-p", _commit(store, "alpha/chat-p", _digest(50)))
+    pointer = idx.entries.pointer("alpha/chat-p")
+    assert pointer.is_file() and sweep(store) == 0 and pointer.is_file()
+    name = msgpack.unpackb(pointer.read_bytes(), raw=False)[1]
+    store.atomic_write(pointer, msgpack.packb([FORMAT, name, time.time() - 1]))
+    sweep(store)
+    assert not pointer.exists() and idx.find("alpha", [_digest(50)]).key == "alpha/chat-p"

@@ -9,7 +9,8 @@ arguments parsed as JSON; tool-call ids and whitespace in arguments do not count
 frameworks rewrite them). A session's current digest is kept with it (``Session.front``, so it
 travels with its snapshot), in this replica's ``TranscriptIndex`` (digest -> session key) and,
 once the session's snapshot is committed, in the store's index (sidecar/transcript_index.py), which
-every replica sharing the store reads when its own index knows no prefix as long.
+every replica sharing the store reads when its own index knows no prefix as long (both hold one
+entry per session, its latest).
 
 With ``prompt_cache_key`` (or an ``X-Session-Id`` header) the client names the session: it is
 continued when its transcript is a prefix of the request, and restarted (ended, then begun again
