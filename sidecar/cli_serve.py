@@ -45,7 +45,10 @@ def _serve_setup(args: argparse.Namespace):
             tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,
             tenant_limits=TenantLimits(
-                args.max_sessions_per_tenant, args.max_tokens_per_turn, TenantLimits.parse_overrides(args.tenant_limit)
+                args.max_sessions_per_tenant,
+                args.max_tokens_per_turn,
+                max_pinned_sessions_per_tenant=args.max_pinned_sessions_per_tenant,
+                overrides=TenantLimits.parse_overrides(args.tenant_limit),
             ),
         )
         store = open_store(args.store, ttl_s=args.session_ttl_s, hmac_keys=load_keys(args.snapshot_hmac_key_file))

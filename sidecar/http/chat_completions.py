@@ -108,6 +108,7 @@ class ChatCompletions:
         rq.set_tool_choice(base, body.get("tool_choice"), nested=True)
         rq.set_format(base, body.get("response_format"), "response_format", nested=True)
         rq.set_extension(base, body)
+        rq.set_agent_hints(base, body)
         key_hint = body.get("prompt_cache_key") or session_header
         if key_hint is not None and (not isinstance(key_hint, str) or not key_hint or len(key_hint) > 1024):
             raise invalid("prompt_cache_key must be a non-empty string of at most 1024 characters", "prompt_cache_key")
