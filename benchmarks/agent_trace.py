@@ -154,6 +154,7 @@ async def one_turn(client: AsyncChainKVClient, session_id: str, messages: list[d
         "history_tokens": u.history_tokens,
         "kv_tokens": u.kv_tokens,
         "source_tier": u.source_tier,
+        "timing": dict(u.timing),
         "text": result.text,
     }
 
@@ -458,6 +459,18 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop(grace=5)
+    if engine is not None and result.get("rows"):  # the engine's own rates, and the bound they give
+        from benchmarks.makespan_bound import add_bounds
+
+        add_bounds(result, engine, make_trace(params)[1], args.concurrency, args.method_budget)
+        write(result)
+        for s in result["rows"]:
+            b, m = s["lower_bound"], s["breakdown"].get("mean_s", {})
+            print(
+                f"  {s['config']:<16} makespan {s['makespan_s']:.1f} s / bound {b['bound_s']:.1f} s "
+                f"({b['bound_by']}) = {s['makespan_over_bound']:.2f}x; per turn "
+                + ", ".join(f"{k[:-2]} {v * 1e3:.0f} ms" for k, v in m.items())
+            )
     print(f"wrote {out}")
     for s in result.get("rows", []):
         sp = f"{s['speedup']:.2f}x" if s["speedup"] else "-"

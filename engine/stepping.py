@@ -286,7 +286,10 @@ def _charge(batch, seconds: float, starts: dict[int, int]) -> None:
         seq.timing.decode_step(seconds, share)
     for seq, n in batch.prefill:
         start = starts.get(id(seq), seq.num_cached)
-        recompute = max(0, min(seq.turn_start, start + n) - start)
+        lost = (
+            seq.turn_start - 1
+        )  # the history before the turn, less its last token (never fed: the next turn feeds it)
+        recompute = max(0, min(lost, start + n) - start)
         seq.timing.prefill_step(seconds, n, recompute)
 
 
