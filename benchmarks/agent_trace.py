@@ -21,7 +21,10 @@ Per configuration: time to first token per turn (client side, by turn index), ti
 token, job completion time (a session's wall time, think time included) and busy time (the sum
 of its turn latencies), and tokens prefilled / reused / pruned / generated. ``speedup`` is
 nochain's mean busy time over the configuration's (think time is the agent's, not the server's);
-``makespan_speedup`` compares the whole replay's wall time.
+``makespan_speedup`` compares the whole replay's wall time. Each turn also carries the engine's
+timing record (Usage.timing: waiting, swap-in, recompute, prefill, decode, decode stalled behind
+prefill). After the replay, with the in-process sidecar, the engine's own rates are measured and each
+configuration gets a lower bound on its makespan and makespan / bound (benchmarks/makespan_bound.py).
 
 The sidecar is in-process (built from the engine flags, the same names as ``chainkv serve``) or an
 existing one (``--target HOST:PORT``). Random weights with real shapes for GPU runs:
