@@ -61,6 +61,9 @@ class Reclaimer(Protocol):
     def reclaim_slot(self) -> bool:
         """Free one cache slot; False if nothing idle holds one."""
 
+    def swapped(self, seq: Sequence) -> bool:
+        """Is ``seq``'s KV in host memory, to be restored when it is admitted?"""
+
     def restore_pages(self, seq: Sequence, n_new: int) -> int:
         """Pages that restoring ``seq``'s swapped-out KV and appending ``n_new`` tokens take (0: nothing to restore)."""
 
@@ -201,11 +204,7 @@ class Scheduler:
             if seq.bypassed >= limit:
                 keyed.append(((0, i), seq))
                 continue
-            cold = (
-                self.reclaimer is not None
-                and not self.manager.has(seq.seq_id)
-                and self.reclaimer.restore_pages(seq, 0) > 0
-            )
+            cold = self.reclaimer is not None and self.reclaimer.swapped(seq)
             keyed.append(((1, -seq.priority, cold, seq.num_to_feed, i), seq))
         keyed.sort(key=lambda kv: kv[0])
         return [seq for _, seq in keyed]

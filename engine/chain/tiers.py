@@ -79,6 +79,17 @@ class ChainTiers:
             return True
         return self.prefixes.drop_idle() > 0
 
+    def swapped(self, seq: Sequence) -> bool:
+        """Is the running turn's chain in host memory (restored when its sequence is admitted)?"""
+        chain = self.chains.get(seq.seq_id)
+        return (
+            chain is not None
+            and chain.state is ChainState.ACTIVE
+            and chain.host is not None
+            and chain.host.kv is not None
+            and not self.manager.has(seq.seq_id)
+        )
+
     def restore_pages(self, seq: Sequence, n_new: int = 0, allow_idle: bool = False) -> int:
         """Pages restoring the chain's host copy and appending ``n_new`` tokens would take (0 if
         there is nothing to restore)."""
