@@ -278,9 +278,11 @@ def agent_trace_section(d: dict, stem: str) -> str:
 def _bound_parts(d: dict) -> list[str]:
     """The makespan's lower bound from the engine's measured rates, and where the turns' time went
     (benchmarks/makespan_bound.py), when the run has them."""
-    rows = [r for r in d["rows"] if r.get("lower_bound")]
+    rows = [r for r in d["rows"] if r.get("lower_bound") or r.get("breakdown")]
     if not rows:
         return []
+    if not any(r.get("lower_bound") for r in rows):
+        return _breakdown_parts(rows)
     rates = d.get("engine_rates") or {}
     per_s = rates.get("prefill_tokens_per_s") or {}
     steps = rates.get("decode_step_s") or {}
@@ -324,6 +326,15 @@ def _bound_parts(d: dict) -> list[str]:
         ("other_s", "other ms"),
     ]
     return [head, table(table_rows, cols)]
+
+
+def _breakdown_parts(rows: list[dict]) -> list[str]:
+    keys = ["waiting_s", "swap_in_s", "recompute_s", "prefill_s", "decode_s", "decode_stall_s", "other_s"]
+    table_rows = [
+        {"config": r["config"], **{k: r["breakdown"].get("mean_s", {}).get(k, 0.0) * 1e3 for k in keys}} for r in rows
+    ]
+    cols = [("config", "config")] + [(k, k[:-2].replace("_", " ") + " ms") for k in keys]
+    return ["Mean per turn of the engine's timing record (Usage.timing), by cause.", table(table_rows, cols)]
 
 
 def selection_overhead_section(d: dict) -> str:
