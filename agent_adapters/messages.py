@@ -141,9 +141,12 @@ class Usage:
     source_tier: str = "unspecified"
     history_tokens: int = 0
     kv_tokens: int = 0
+    timing: dict[str, float] = field(default_factory=dict)
+    """Where the turn's time went on the engine (seconds by cause: chainkv.v1.TurnTiming's fields)."""
 
     @classmethod
     def from_proto(cls, u: pb.Usage) -> "Usage":
+        timing = {f.name: getattr(u.timing, f.name) for f in u.timing.DESCRIPTOR.fields} if u.HasField("timing") else {}
         return cls(
             u.prompt_tokens,
             u.reused_tokens,
@@ -154,6 +157,7 @@ class Usage:
             TIERS.get(u.source_tier, "unspecified"),
             u.history_tokens,
             u.kv_tokens,
+            timing,
         )
 
     def as_dict(self) -> dict[str, Any]:

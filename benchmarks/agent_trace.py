@@ -23,7 +23,10 @@ Per configuration: time to first token per turn (client side, by turn index), ti
 token, job completion time (a session's wall time, think time included) and busy time (the sum
 of its turn latencies), and tokens prefilled / reused / pruned / generated. ``speedup`` is
 nochain's mean busy time over the configuration's (think time is the agent's, not the server's);
-``makespan_speedup`` compares the whole replay's wall time.
+``makespan_speedup`` compares the whole replay's wall time. Each turn also carries the engine's
+timing record (Usage.timing: waiting, swap-in, recompute, prefill, decode, decode stalled behind
+prefill). After the replay, with the in-process sidecar, the engine's own rates are measured and each
+configuration gets a lower bound on its makespan and makespan / bound (benchmarks/makespan_bound.py).
 
 The sidecar is in-process (built from the engine flags, the same names as ``chainkv serve``) or an
 existing one (``--target HOST:PORT``). Random weights with real shapes for GPU runs:
@@ -157,6 +160,7 @@ async def one_turn(client: AsyncChainKVClient, session_id: str, messages: list[d
         "history_tokens": u.history_tokens,
         "kv_tokens": u.kv_tokens,
         "source_tier": u.source_tier,
+        "timing": dict(u.timing),
         "text": result.text,
     }
 
@@ -462,6 +466,18 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop(grace=5)
+    if engine is not None and result.get("rows"):  # the engine's own rates, and the bound they give
+        from benchmarks.makespan_bound import add_bounds
+
+        add_bounds(result, engine, make_trace(params)[1], args.concurrency, args.method_budget)
+        write(result)
+        for s in result["rows"]:
+            b, m = s["lower_bound"], s["breakdown"].get("mean_s", {})
+            print(
+                f"  {s['config']:<16} makespan {s['makespan_s']:.1f} s / bound {b['bound_s']:.1f} s "
+                f"({b['bound_by']}) = {s['makespan_over_bound']:.2f}x; per turn "
+                + ", ".join(f"{k[:-2]} {v * 1e3:.0f} ms" for k, v in m.items())
+            )
     print(f"wrote {out}")
     for s in result.get("rows", []):
         sp = f"{s['speedup']:.2f}x" if s["speedup"] else "-"

@@ -262,6 +262,7 @@ def agent_trace_section(d: dict, stem: str) -> str:
         "speedup = nochain's mean busy time / the configuration's.",
         table(rows, cols),
     ]
+    parts += _bound_parts(d)
     if d.get("note"):
         parts.append(d["note"])
     if d.get("skipped"):
@@ -272,6 +273,68 @@ def agent_trace_section(d: dict, stem: str) -> str:
         svg.write_text(line_chart_svg(series, f"Time to first token by turn ({where})", "turn", "TTFT ms"))
         parts.append(f"![time to first token by turn](../benchmarks/results/{svg.name})")
     return "\n\n".join(parts)
+
+
+def _bound_parts(d: dict) -> list[str]:
+    """The makespan's lower bound from the engine's measured rates, and where the turns' time went
+    (benchmarks/makespan_bound.py), when the run has them."""
+    rows = [r for r in d["rows"] if r.get("lower_bound") or r.get("breakdown")]
+    if not rows:
+        return []
+    if not any(r.get("lower_bound") for r in rows):
+        return _breakdown_parts(rows)
+    rates = d.get("engine_rates") or {}
+    per_s = rates.get("prefill_tokens_per_s") or {}
+    steps = rates.get("decode_step_s") or {}
+    head = (
+        "Lower bound on the makespan from the engine's own rates, measured in the same run after the replay "
+        f"(prefill {', '.join(f'{int(float(k))} tokens at {v:,.0f} tok/s' for k, v in per_s.items())}; decode step "
+        f"{', '.join(f'{v * 1e3:.1f} ms at batch {k}' for k, v in steps.items())} at {rates.get('decode_context')} "
+        f"tokens of context; host->device {rates.get('h2d_gb_s', 0):.1f} GB/s, device->host "
+        f"{rates.get('d2h_gb_s', 0):.1f} GB/s): bound = max(the configuration's prefill and decode work at those "
+        "rates, the longest session's critical path with its think time). Then the mean per turn of the engine's "
+        "timing record (Usage.timing), by cause."
+    )
+    keys = ["waiting_s", "swap_in_s", "recompute_s", "prefill_s", "decode_s", "decode_stall_s", "other_s"]
+    table_rows = []
+    for r in rows:
+        b, mean = r["lower_bound"], (r.get("breakdown") or {}).get("mean_s", {})
+        table_rows.append(
+            {
+                "config": r["config"],
+                "makespan_s": r["makespan_s"],
+                "work_s": b["work_s"],
+                "critical_s": b["critical_path_s"],
+                "bound_s": b["bound_s"],
+                "ratio": r["makespan_over_bound"],
+                **{k: mean.get(k, 0.0) * 1e3 for k in keys},
+            }
+        )
+    cols = [
+        ("config", "config"),
+        ("makespan_s", "makespan s"),
+        ("work_s", "work s"),
+        ("critical_s", "critical path s"),
+        ("bound_s", "bound s"),
+        ("ratio", "makespan / bound"),
+        ("waiting_s", "waiting ms"),
+        ("swap_in_s", "swap-in ms"),
+        ("recompute_s", "recompute ms"),
+        ("prefill_s", "prefill ms"),
+        ("decode_s", "decode ms"),
+        ("decode_stall_s", "decode stalled by prefill ms"),
+        ("other_s", "other ms"),
+    ]
+    return [head, table(table_rows, cols)]
+
+
+def _breakdown_parts(rows: list[dict]) -> list[str]:
+    keys = ["waiting_s", "swap_in_s", "recompute_s", "prefill_s", "decode_s", "decode_stall_s", "other_s"]
+    table_rows = [
+        {"config": r["config"], **{k: r["breakdown"].get("mean_s", {}).get(k, 0.0) * 1e3 for k in keys}} for r in rows
+    ]
+    cols = [("config", "config")] + [(k, k[:-2].replace("_", " ") + " ms") for k in keys]
+    return ["Mean per turn of the engine's timing record (Usage.timing), by cause.", table(table_rows, cols)]
 
 
 def selection_overhead_section(d: dict) -> str:

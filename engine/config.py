@@ -8,6 +8,7 @@ typo in a YAML file is an error, not a silently ignored setting.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,12 @@ class EngineConfig:
     """Most prompt tokens of one sequence prefilled in one step."""
     max_num_batched_tokens: int = 2048
     """Most tokens (prefill chunks + decodes) in one forward pass."""
+    prefill_tokens_while_decoding: int = 0
+    """Most prefill tokens in a step that also carries decodes, so decoding keeps its time per output
+    token while prompts are prefilled (0: only max_num_batched_tokens bounds them)."""
+    max_bypass: int = 8
+    """Waiting turns are admitted by priority, resident sessions before ones swapped to host memory,
+    and shorter prefills first; one overtaken this many times is admitted strictly first."""
 
     # --- sparse method (the default for requests that do not name one) --------------------------
     method: str = "dense"
@@ -71,6 +78,10 @@ class EngineConfig:
     recall_host_gb: float = 8.0
     """Host RAM for the cold tiers of ``<method>+recall`` sessions resident on the GPU (what their
     methods evicted, kept recallable); past it newly evicted tokens are dropped for good."""
+    max_pin_ttl_s: float = 600.0
+    """Longest pin an agent hint may ask for (seconds a session stays on the GPU after its turn)."""
+    max_pinned_fraction: float = 0.5
+    """Most of the KV pool pinned sessions may hold together (a pin past it is refused)."""
     prefix_sharing: bool = True
     """Store a shared system prompt / tool schema once (block-hash index, copy-on-write pages)."""
     prune_roles: list[str] = field(default_factory=lambda: ["tool"])
@@ -143,6 +154,19 @@ class EngineConfig:
         _check(
             isinstance(self.recall_host_gb, (int, float)) and 0 <= self.recall_host_gb < 1 << 20,
             f"recall_host_gb must be a finite number of GB >= 0, not {self.recall_host_gb}",
+        )
+        _check(
+            self.prefill_tokens_while_decoding >= 0,
+            f"prefill_tokens_while_decoding must be >= 0, not {self.prefill_tokens_while_decoding}",
+        )
+        _check(self.max_bypass >= 0, f"max_bypass must be >= 0, not {self.max_bypass}")
+        _check(
+            math.isfinite(self.max_pin_ttl_s) and self.max_pin_ttl_s >= 0,
+            f"max_pin_ttl_s must be a finite number >= 0, not {self.max_pin_ttl_s}",
+        )
+        _check(
+            0 <= self.max_pinned_fraction <= 1,
+            f"max_pinned_fraction must be in [0, 1], not {self.max_pinned_fraction}",
         )
         if isinstance(self.prune_roles, str):
             self.prune_roles = [r.strip() for r in self.prune_roles.split(",") if r.strip()]

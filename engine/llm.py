@@ -21,7 +21,7 @@ from engine.build import attention_backend, num_pages, resolve_device, resolve_d
 from engine.cache.formats import make_format
 from engine.cache.manager import CacheManager
 from engine.cache.pages import PagePool
-from engine.chain import ChainCache, ChainState, SessionError, Tier
+from engine.chain import ChainCache, ChainState, SessionError, SessionHints, Tier
 from engine.config import EngineConfig
 from engine.constrained import GrammarBackend
 from engine.controller import SparseController
@@ -227,12 +227,14 @@ class LLMEngine:
         history: list[int] | None = None,
         shared_prefix: int = 0,
         prefix_scope: str = "",
+        hints: SessionHints | None = None,
     ) -> Hashable:
         """Run one turn of a session: ``tokens`` are appended to its history and only they are
         prefilled, attending to the session's cached (possibly compressed) KV. Creates the session
         on its first turn. ``history`` instead of ``tokens`` gives the whole history, which must
         extend the session's. ``shared_prefix``: how many leading tokens of a first turn are a
-        prompt other sessions share (stored once). Outputs carry the request id ``session_id``."""
+        prompt other sessions share (stored once). ``hints``: the agent's priority, pin or release
+        (engine/chain/hints.py). Outputs carry the request id ``session_id``."""
         params = params or SamplingParams()
         if session_id in self._seqs and session_id not in self.chains.chains:
             raise RequestError(f"id {session_id!r} is in use by a one-shot request")
@@ -248,6 +250,7 @@ class LLMEngine:
                 history=history,
                 shared_prefix=shared_prefix,
                 prefix_scope=prefix_scope,
+                hints=hints,
             )
         except CapacityError:
             raise

@@ -12,6 +12,7 @@ import torch
 from engine.detokenizer import IncrementalDetokenizer
 from engine.lifecycle import MethodSpec
 from engine.sampling import SamplingParams
+from engine.turn_timing import TurnTiming
 
 
 PENDING = -1
@@ -68,6 +69,12 @@ class Sequence:
         """Bumped every turn, so a token launched for an earlier turn is recognised as stale."""
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
+        self.timing = TurnTiming(arrival=self.arrival_time)
+        """Where this request's (turn's) time goes (engine/turn_timing.py)."""
+        self.priority = 0
+        """Admission order: higher first (a session's agent hint)."""
+        self.bypassed = 0
+        """Times later-queued sequences were admitted ahead of this one while it waited (``max_bypass``)."""
         self.pending_text = ""
         """Text produced since the last RequestOutput."""
         self.pending_ids: list[int] = []
@@ -109,6 +116,8 @@ class Sequence:
         self.counters = SeqCounters(reused_tokens=self.num_cached)
         self.arrival_time = time.monotonic()
         self.first_token_time = None
+        self.timing = TurnTiming(arrival=self.arrival_time)
+        self.bypassed = 0
         self.pending_text, self.pending_ids = "", []
         self.prompt_logits, self.step_logits = [], []
 
@@ -147,6 +156,8 @@ class RequestOutput:
     turn_start: int = 0
     """Sessions: history length before this turn."""
     time_to_first_token: float | None = None
+    timing: TurnTiming | None = None
+    """In the final output: where the request's time went (engine/turn_timing.py)."""
     prompt_logits: torch.Tensor | None = None
     """``[prompt_len, V]`` when SamplingParams.prompt_logits (set by LLMEngine.generate)."""
     step_logits: torch.Tensor | None = None

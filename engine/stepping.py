@@ -81,6 +81,7 @@ class StepLoop:
         if not overlap and self.inflight is not None:
             touched += self._complete(self.inflight)
             self.inflight = None
+        t0 = time.monotonic()
         batch = self.scheduler.schedule()
         for seq, reason in batch.failed:
             seq.error = reason
@@ -101,16 +102,19 @@ class StepLoop:
             self.inflight = launched
             if previous is not None:
                 touched += self._complete(previous)
+            _charge(batch, time.monotonic() - t0, {})
             return [self.output(s) for s in touched]
         if self.inflight is not None:  # the batch needs the tokens still in flight
             touched += self._complete(self.inflight)
             self.inflight = None
             batch.decode = [s for s in batch.decode if not s.finished]
         if not batch.empty:
+            starts = {id(s): s.num_cached for s, _ in batch.prefill}
             try:
                 result = self._forward(batch)
             except Exception as e:  # the pass's requests fail; _fail_pass re-raises when it is fatal
                 touched += self._fail_pass(_seqs_of(batch), e)
+                self.scheduler.swap_in(batch)
                 return [self.output(s) for s in touched]
             self.failed_passes = 0
             for sid, rows in result.prompt_logits.items():
@@ -124,6 +128,7 @@ class StepLoop:
                 result.logits, [s.params for s in result.sampling], [s.generator for s in result.sampling], constrain
             )
             now = time.monotonic()
+            _charge(batch, now - t0, starts)
             for seq, tok, err, row in zip(result.sampling, tokens, errors, result.logits):
                 touched.append(seq)
                 if err is None:
@@ -138,6 +143,7 @@ class StepLoop:
                     log.error("request %r failed: %s", seq.seq_id, err)
                     seq.error = err
                     self.finish(seq, "failed")
+        self.scheduler.swap_in(batch)  # after the pass: the step's requests did not wait for the copies
         return [self.output(s) for s in touched]
 
     def _forward(self, batch):
@@ -216,7 +222,7 @@ class StepLoop:
 
     def _append_token(self, seq: Sequence, token: int, now: float, at: int | None = None) -> None:
         if seq.first_token_time is None:
-            seq.first_token_time = now
+            seq.first_token_time = seq.timing.first_token_at = now
         if at is None:
             seq.token_ids.append(token)
         else:
@@ -248,6 +254,7 @@ class StepLoop:
         seq.pending_text += seq.detok.flush()
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        seq.timing.finished_at = time.monotonic()
         seq.penalty_state = None  # a session's sequence outlives its turn: free the penalty counts
         self.totals[f"finished_{reason}"] += 1
         self.scheduler.remove(seq)
@@ -279,11 +286,32 @@ class StepLoop:
             source_tier=None if seq.source_tier is None else seq.source_tier.value,
             turn_start=seq.turn_start,
             time_to_first_token=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+            timing=seq.timing if seq.finished else None,
         )
         seq.pending_ids, seq.pending_text = [], ""
         if seq.finished:
             self.seqs.pop(seq.seq_id, None)
         return out
+
+
+def _charge(batch, seconds: float, starts: dict[int, int]) -> None:
+    """Charge a step's wall time to the timing of each request in it (engine/turn_timing.py):
+    prefill (history lost and fed again: recompute), decode, and the share of a decode step that the
+    prefill chunks sharing it took. ``starts``: each prefilling sequence's cached length before the step."""
+    prefill_tokens = sum(n for _, n in batch.prefill)
+    total = prefill_tokens + len(batch.decode)
+    if total == 0:
+        return
+    share = prefill_tokens / total
+    for seq in batch.decode:
+        seq.timing.decode_step(seconds, share)
+    for seq, n in batch.prefill:
+        start = starts.get(id(seq), seq.num_cached)
+        lost = (
+            seq.turn_start - 1
+        )  # the history before the turn, less its last token (never fed: the next turn feeds it)
+        recompute = max(0, min(lost, start + n) - start)
+        seq.timing.prefill_step(seconds, n, recompute)
 
 
 def _seqs_of(batch) -> list[Sequence]:

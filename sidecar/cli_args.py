@@ -162,11 +162,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="max_tokens and new prompt tokens one turn may take (more: INVALID_ARGUMENT)",
     )
     g.add_argument(
+        "--max-pinned-sessions-per-tenant",
+        type=int,
+        default=None,
+        metavar="N",
+        help="sessions one tenant may pin on the accelerator at once with agent hints (more: RESOURCE_EXHAUSTED)",
+    )
+    g.add_argument(
         "--tenant-limit",
         action="append",
         default=[],
         metavar="TENANT:KEY=N[,KEY=N]",
-        help="one tenant's own max_sessions_per_tenant / max_tokens_per_turn (repeatable)",
+        help="one tenant's own max_sessions_per_tenant / max_tokens_per_turn / max_pinned_sessions_per_tenant (repeatable)",
     )
     add_engine_args(srv)
 

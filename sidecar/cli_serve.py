@@ -51,7 +51,10 @@ def _serve_setup(args: argparse.Namespace):
             tls_client_ca=args.tls_client_ca,
             allow_store_down=args.allow_store_down,
             tenant_limits=TenantLimits(
-                args.max_sessions_per_tenant, args.max_tokens_per_turn, TenantLimits.parse_overrides(args.tenant_limit)
+                args.max_sessions_per_tenant,
+                args.max_tokens_per_turn,
+                max_pinned_sessions_per_tenant=args.max_pinned_sessions_per_tenant,
+                overrides=TenantLimits.parse_overrides(args.tenant_limit),
             ),
         )
         check_tls_files(options)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
 from engine.cache.snapshot import SessionSnapshot
-from engine.chain import SessionNotFound
+from engine.chain import SessionHints, SessionNotFound
 from engine.lifecycle import MethodSpec
 from engine.llm import LLMEngine
 from engine.prune_rule import check_policy, check_span, due_spans
@@ -63,6 +63,8 @@ class EngineTurn:
     prefix_scope: str = ""
     """Who may share this session's prompt prefix: its tenant by default ("tenant:<name>"); "" for a
     prefix the request declared public."""
+    hints: SessionHints | None = None
+    """The agent's priority, pin or release (engine/chain/hints.py)."""
 
 
 @dataclass(frozen=True)
@@ -250,6 +252,7 @@ class EngineClient:
             expected_turn_index=turn.expected_turn_index,
             shared_prefix=turn.shared_prefix if turn.new_session else 0,
             prefix_scope=turn.prefix_scope,
+            hints=turn.hints,
         )
         self._thread.register(key, functools.partial(self._deliver, stream))
 
@@ -274,6 +277,7 @@ class EngineClient:
                 prefilled_tokens=out.counters.prefilled_tokens,
                 time_to_first_token=out.time_to_first_token,
                 source_tier=out.source_tier,
+                timing=out.timing,
                 session=info,
                 new_prunes=info.prune_log[stream.prunes_before :] if info is not None else (),
             )

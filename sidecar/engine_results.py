@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.turn_timing import TurnTiming
+
 
 @dataclass(frozen=True)
 class SpanInfo:
@@ -158,6 +160,8 @@ class TurnResult:
     """None when the session is gone (an aborted first turn)."""
     new_prunes: tuple[PruneRecord, ...] = ()
     """Prunings the turn's end triggered (lag / trigger rule)."""
+    timing: TurnTiming | None = None
+    """Where the turn's time went on the engine (engine/turn_timing.py)."""
 
     @property
     def pruned_tokens(self) -> int:

@@ -11,7 +11,16 @@ from __future__ import annotations
 import grpc
 
 from engine.constrained import ConstraintError
-from engine.chain import ContextFull, SessionBusy, SessionError, SessionExists, SessionNotFound, TurnIndexMismatch
+from engine.chain import (
+    ContextFull,
+    InvalidHint,
+    PinLimit,
+    SessionBusy,
+    SessionError,
+    SessionExists,
+    SessionNotFound,
+    TurnIndexMismatch,
+)
 from engine.config import ConfigError
 from engine.lifecycle import MethodError
 from engine.llm import CapacityError, RequestError
@@ -43,7 +52,7 @@ class TurnAborted(RuntimeError):
 
 _CODES: list[tuple[type[BaseException] | tuple[type[BaseException], ...], grpc.StatusCode]] = [
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
-    (QuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ((QuotaExceeded, PinLimit), grpc.StatusCode.RESOURCE_EXHAUSTED),
     ((SnapshotRejected, SnapshotRolledBack), grpc.StatusCode.DATA_LOSS),
     (
         (
@@ -55,6 +64,7 @@ _CODES: list[tuple[type[BaseException] | tuple[type[BaseException], ...], grpc.S
             SamplingError,
             ConfigError,
             ContextFull,
+            InvalidHint,
             PruneRuleError,
             OutputSpecError,
             ConstraintError,

@@ -30,13 +30,16 @@ class TurnTooLarge(ValueError):
     """A turn asks for more tokens than a tenant's turn may take (INVALID_ARGUMENT)."""
 
 
-LIMIT_KEYS = ("max_sessions_per_tenant", "max_tokens_per_turn")
+LIMIT_KEYS = ("max_sessions_per_tenant", "max_tokens_per_turn", "max_pinned_sessions_per_tenant")
 
 
 @dataclass
 class TenantLimits:
     max_sessions_per_tenant: int | None = None
     max_tokens_per_turn: int | None = None
+    max_pinned_sessions_per_tenant: int | None = None
+    """Sessions of one tenant whose agent hints pin them on the accelerator at once (a pin past it:
+    RESOURCE_EXHAUSTED); None: no per-tenant bound (the engine's max_pinned_fraction still holds)."""
     overrides: dict[str, dict[str, int]] = field(default_factory=dict)
     """tenant -> its own values for some of LIMIT_KEYS."""
 
@@ -83,6 +86,19 @@ class TenantLimits:
         if n is not None and self.held(tenant, sessions, exclude) >= n:
             who = f"tenant {tenant!r}" if tenant else "this sidecar"
             raise QuotaExceeded(f"{who} holds {n} session(s), its limit; end one (EndSession) or retry later")
+
+    def check_pin(self, tenant: str, sessions: Iterable["Session"], exclude: str, now: float) -> None:
+        """Raise QuotaExceeded when ``tenant`` already holds its most live pins (``exclude``: the
+        session asking, whose own pin is renewed, not added)."""
+        n = self.limit(tenant, "max_pinned_sessions_per_tenant")
+        if n is None:
+            return
+        held = sum(1 for s in sessions if s.key != exclude and s.pinned_until > now and self.tenant_of(s.key) == tenant)
+        if held >= n:
+            who = f"tenant {tenant!r}" if tenant else "this sidecar"
+            raise QuotaExceeded(
+                f"{who} has {n} pinned session(s), its limit; release one (session_control release) or let a pin expire"
+            )
 
     def check_max_tokens(self, tenant: str, max_tokens: int, was_set: bool) -> int:
         """The turn's max_tokens under the limit (an unset one is clipped to it)."""

@@ -8,11 +8,13 @@ store records) becomes ``chainkv.v1.Session`` messages here too.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from engine.chain import InvalidHint, SessionHints
 from engine.lifecycle import MethodError, MethodSpec, build_params
 from engine.methods import get_method_class
 from engine.sampling import SamplingError, SamplingParams
@@ -73,6 +75,8 @@ class TurnArgs:
     """The shared prefix may be shared with other tenants' sessions (default: this tenant's only)."""
     output: OutputSpec = field(default_factory=OutputSpec)
     """response_format and tool_choice (sidecar/structured.py)."""
+    hints: SessionHints | None = None
+    """agent_hints and session_control (engine/chain/hints.py); None: none given."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -130,7 +134,35 @@ def parse_turn(req: pb.TurnRequest, limits: Limits) -> TurnArgs:
         shared_prefix_messages=req.shared_prefix_messages if req.HasField("shared_prefix_messages") else None,
         public_prefix=req.public_prefix,
         output=output_spec(req),
+        hints=session_hints(req),
     )
+
+
+PIN_ACTIONS = ("", "pin", "release")
+
+
+def session_hints(req: pb.TurnRequest) -> SessionHints | None:
+    """The request's agent hints, checked as far as the request alone allows (the engine checks the
+    TTL against its ``max_pin_ttl_s`` and the pool's pin share)."""
+    has_hints, has_control = req.HasField("agent_hints"), req.HasField("session_control")
+    if not has_hints and not has_control:
+        return None
+    control = req.session_control
+    if control.action not in PIN_ACTIONS:
+        raise InvalidRequest(f"session_control.action must be pin, release or empty, not {control.action[:64]!r}")
+    ttl = control.ttl_seconds if control.HasField("ttl_seconds") else None
+    if (control.action == "pin") != (ttl is not None):
+        raise InvalidRequest('session_control.ttl_seconds goes with action "pin", and "pin" needs it')
+    hints = SessionHints(
+        priority=req.agent_hints.priority if req.agent_hints.HasField("priority") else None,
+        pin_ttl_s=ttl,
+        release=control.action == "release",
+    )
+    try:
+        hints.check(math.inf)
+    except InvalidHint as e:
+        raise InvalidRequest(str(e)) from None
+    return hints
 
 
 def output_spec(req: pb.TurnRequest) -> OutputSpec:

@@ -59,6 +59,9 @@ class Session:
     although the engine's generation did not move (``front_changed``)."""
     committed_front_changes: int = 0
     """``front_changes`` as of the last snapshot written."""
+    pinned_until: float = 0.0
+    """``time.monotonic()`` until which an agent hint pins the session on the engine (the tenant's
+    pin quota counts these)."""
     ends_with_eot: bool = False
     """The history ends with the end-of-turn token (the last reply closed its turn)."""
     eviction_priority: int = 0

@@ -139,6 +139,8 @@ class TurnRunner:
         args.params.max_tokens = self.tenant_limits.check_max_tokens(tenant, args.params.max_tokens, max_tokens_given)
         key = scoped_key(tenant, args.session_id)
         self.check_quota(tenant, key)
+        if args.hints is not None and args.hints.pin_ttl_s is not None:
+            self.tenant_limits.check_pin(tenant, self.sessions.all(), exclude=key, now=time.monotonic())
         s = await self.sessions.get_settled(
             key,
             create=True,
@@ -235,6 +237,7 @@ class TurnRunner:
                 shared_prefix=rendered.shared_prefix,
                 new_session=new,
                 prefix_scope="" if args.public_prefix else f"tenant:{TenantLimits.tenant_of(key)}",
+                hints=args.hints,
             ),
         )
         if new:
@@ -271,6 +274,8 @@ class TurnRunner:
         if result.finish_reason == "failed":
             raise SequenceFailed(f"the turn failed and was rolled back: {result.error}")
         completion = completion_proto(args, turn_index, result, "".join(text), calls)
+        if args.hints is not None and (args.hints.release or args.hints.pin_ttl_s is not None):
+            s.pinned_until = 0.0 if args.hints.release else time.monotonic() + args.hints.pin_ttl_s
         if result.session is not None:
             s.update(result.session, self.sessions.end_of_turn_id)
         state.completion = completion.SerializeToString()
@@ -325,6 +330,9 @@ def completion_proto(
         history_tokens=info.num_tokens if info else 0,
         kv_tokens=info.kv_tokens if info else 0,
     )
+    if result.timing is not None:
+        t = result.timing
+        usage.timing.CopyFrom(pb.TurnTiming(**t.breakdown(), total_s=t.total_s, recompute_tokens=t.recompute_tokens))
     reason = FINISH.get(result.finish_reason, pb.FINISH_REASON_STOP)
     if calls and reason == pb.FINISH_REASON_STOP:
         reason = pb.FINISH_REASON_TOOL_CALLS

@@ -2,8 +2,8 @@
 
 ``ChainCache`` (cache.py) runs turns, forks, pruning and snapshots; ``ChainTiers`` (tiers.py)
 moves chains between the GPU, host RAM and the history alone; ``records.py`` holds the Chain
-record and its states; ``codec.py`` the session record a snapshot carries; ``errors.py`` the
-session errors.
+record and its states; ``codec.py`` the session record a snapshot carries; ``hints.py`` the agent
+hints (priority, pin, release); ``errors.py`` the session errors.
 """
 
 from engine.chain.cache import ChainCache
@@ -11,12 +11,15 @@ from engine.chain.codec import KV_STATE_KEYS
 from engine.chain.errors import (
     ContextFull,
     HistoryMismatch,
+    InvalidHint,
+    PinLimit,
     SessionBusy,
     SessionError,
     SessionExists,
     SessionNotFound,
     TurnIndexMismatch,
 )
+from engine.chain.hints import MAX_PRIORITY, SessionHints
 from engine.chain.records import Chain, ChainState, TaggedSpan, Tier, history_digest
 from engine.chain.tiers import ChainTiers
 
@@ -28,9 +31,13 @@ __all__ = [
     "ChainTiers",
     "ContextFull",
     "HistoryMismatch",
+    "InvalidHint",
+    "MAX_PRIORITY",
+    "PinLimit",
     "SessionBusy",
     "SessionError",
     "SessionExists",
+    "SessionHints",
     "SessionNotFound",
     "TaggedSpan",
     "Tier",

@@ -35,6 +35,7 @@ from engine.chain.errors import (
     SessionNotFound,
     TurnIndexMismatch,
 )
+from engine.chain.hints import SessionHints
 from engine.chain.records import Chain, ChainState, TaggedSpan, Tier
 from engine.chain.tiers import ChainTiers
 from engine.config import EngineConfig
@@ -70,7 +71,15 @@ class ChainCache:
         self.max_model_len = requests.max_model_len
         self.chains: dict[Hashable, Chain] = {}
         self.prefixes = PrefixIndex(manager, fingerprint.encode())
-        self.tiers = ChainTiers(self.chains, manager, controller, self.prefixes, int(config.host_cache_gb * 2**30))
+        self.tiers = ChainTiers(
+            self.chains,
+            manager,
+            controller,
+            self.prefixes,
+            int(config.host_cache_gb * 2**30),
+            max_pin_ttl_s=config.max_pin_ttl_s,
+            max_pinned_fraction=config.max_pinned_fraction,
+        )
         """The tier moves; what the Scheduler reclaims through."""
 
     @property
@@ -99,6 +108,7 @@ class ChainCache:
         history: list[int] | None = None,
         shared_prefix: int = 0,
         prefix_scope: str = "",
+        hints: SessionHints | None = None,
     ) -> Sequence:
         chain = self.chains.get(session_id)
         if chain is not None and chain.state is ChainState.ACTIVE:
@@ -123,6 +133,9 @@ class ChainCache:
                 f"session {session_id!r} would reach {len(old) + len(tokens)} tokens; "
                 f"max_model_len is {self.max_model_len}"
             )
+        if hints is not None:  # a bad hint or a pin the pool cannot grant fails before anything changes
+            total = len(old) + len(tokens) + params.max_tokens
+            self.tiers.check_hints(session_id, chain.spec if chain else (method or self.default_spec), total, hints)
         if chain is None:
             spec = method or self.default_spec
             self.controller.method_for(spec)  # a bad spec fails before anything changes
@@ -150,6 +163,10 @@ class ChainCache:
             chain.spans.append(TaggedSpan(start + a, start + b, r, turn=chain.turn_index))
         chain.state = ChainState.ACTIVE
         chain.last_used = time.monotonic()
+        chain.hints = hints
+        if hints is not None and hints.priority is not None:
+            chain.priority = hints.priority
+        seq.priority = chain.priority
         return seq
 
     def _source_tier(self, chain: Chain) -> Tier:
@@ -201,6 +218,7 @@ class ChainCache:
             chain.state = ChainState.HISTORY
             chain.turn_index += 1
             chain.generation += 1
+            self.tiers.after_turn(chain, chain.hints)
             return
         chain.state = ChainState.IDLE
         turn_spans = [s for s in chain.spans if s.turn == chain.turn_index]
@@ -221,6 +239,7 @@ class ChainCache:
         self._auto_prune(chain)
         chain.turn_index += 1
         chain.generation += 1
+        self.tiers.after_turn(chain, chain.hints)
 
     def abort_turn(self, seq: Sequence) -> None:
         """An aborted turn is rolled back: its tokens leave the history and their KV is evicted.

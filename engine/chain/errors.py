@@ -35,3 +35,13 @@ class SessionExists(SessionError):
 
 class ContextFull(SessionError):
     """The turn would make the session's history reach ``max_model_len``."""
+
+
+class InvalidHint(SessionError):
+    """An agent hint out of range: a TTL that is not a finite number of seconds in (0, max_pin_ttl_s],
+    a priority outside [-MAX_PRIORITY, MAX_PRIORITY] (INVALID_ARGUMENT)."""
+
+
+class PinLimit(SessionError):
+    """A pin the pool cannot grant: the pinned sessions would hold more than ``max_pinned_fraction`` of
+    the KV pool, starving other sessions (RESOURCE_EXHAUSTED)."""

@@ -62,8 +62,18 @@ class Chain:
     once the prefill reaches ``seq.prefix_boundary``."""
     queries: QueryWindow | None = None
     pruned_tokens: int = 0
+    pinned_until: float = 0.0
+    """Agent hints (engine/chain/hints.py): while ``time.monotonic()`` is below this, an idle chain is
+    not demoted from the GPU."""
+    hints: Any = None
+    """The running (or last) turn's SessionHints, applied when the turn ends."""
+    priority: int = 0
+    """Agent hints: idle chains of lower priority are demoted first; its turns are admitted first."""
     _hash: Any = field(default_factory=hashlib.sha256)
     _hashed: int = 0
+
+    def pinned(self, now: float) -> bool:
+        return self.pinned_until > now
 
     def reset_digest(self) -> None:
         self._hash, self._hashed = hashlib.sha256(), 0

@@ -1,16 +1,17 @@
 """Tier moves of session chains: GPU pages <-> host RAM <-> the history alone.
 
 ``ChainTiers`` is what the Scheduler reclaims through (its ``Reclaimer`` protocol): it demotes
-idle chains (lowest eviction priority first, then least recently used) to host RAM when the pool
-or the cache slots run short, swaps a preempted running session's KV out to host memory, and
-restores a chain's host copy when its sequence is admitted again. Past ``host_cache_gb`` host copies are dropped, least recently
-used first within the lowest eviction priority, to the token history alone (the next turn
-re-prefills it). It also measures what the GPU tier holds of each span of a chain's history
-(``span_kv_tokens``, for cache inspection).
+idle chains (lowest eviction priority first, then lowest agent-hint priority, then least recently
+used; a pinned one not while its pin holds) to host RAM when the pool or the cache slots run short,
+swaps a preempted running session's KV out to host memory, and restores a chain's host copy when
+its sequence is admitted again. Past ``host_cache_gb`` host copies are dropped in the same order
+to the token history alone (the next turn re-prefills it). It also measures what the GPU tier
+holds of each span of a chain's history (``span_kv_tokens``, for cache inspection).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Hashable
 
 import torch
@@ -18,18 +19,19 @@ import torch
 from engine.cache.manager import CacheManager
 from engine.cache.snapshot import SessionSnapshot
 from engine.cache.transfer import ceil_div
-from engine.chain.errors import SessionError, SessionNotFound
+from engine.chain.errors import PinLimit, SessionError, SessionNotFound
+from engine.chain.hints import SessionHints
 from engine.chain.records import Chain, ChainState, Tier
 from engine.controller import SparseController
-from engine.lifecycle import SeqInfo
+from engine.lifecycle import MethodSpec, SeqInfo
 from engine.prefix import PrefixIndex
 from engine.sequence import Sequence
 
 
-def demotion_order(chain: Chain) -> tuple[int, float]:
-    """Which idle chain leaves a tier first: the lowest ``eviction_priority``, then the least
-    recently used."""
-    return chain.eviction_priority, chain.last_used
+def demotion_order(chain: Chain) -> tuple[int, int, float]:
+    """Which idle chain leaves a tier first: the lowest ``eviction_priority`` (cache control), then
+    the lowest agent-hint ``priority``, then the least recently used."""
+    return chain.eviction_priority, chain.priority, chain.last_used
 
 
 class ChainTiers:
@@ -40,6 +42,9 @@ class ChainTiers:
         controller: SparseController,
         prefixes: PrefixIndex,
         host_limit: int,
+        *,
+        max_pin_ttl_s: float = 0.0,
+        max_pinned_fraction: float = 0.0,
     ):
         self.chains = chains
         """The session chains (shared with the ChainCache that owns them)."""
@@ -47,6 +52,10 @@ class ChainTiers:
         self.controller = controller
         self.prefixes = prefixes
         self.host_limit = host_limit
+        self.max_pin_ttl_s = max_pin_ttl_s
+        self.max_pinned_fraction = max_pinned_fraction
+        self.clock = time.monotonic
+        """What pins expire by (a test may set another)."""
         self.host_bytes = 0
         self.demotions = 0
         self.swaps = 0
@@ -76,6 +85,17 @@ class ChainTiers:
             self.demote(idle[0])
             return True
         return self.prefixes.drop_idle() > 0
+
+    def swapped(self, seq: Sequence) -> bool:
+        """Is the running turn's chain in host memory (restored when its sequence is admitted)?"""
+        chain = self.chains.get(seq.seq_id)
+        return (
+            chain is not None
+            and chain.state is ChainState.ACTIVE
+            and chain.host is not None
+            and chain.host.kv is not None
+            and not self.manager.has(seq.seq_id)
+        )
 
     def restore_pages(self, seq: Sequence, n_new: int = 0, allow_idle: bool = False) -> int:
         """Pages restoring the chain's host copy and appending ``n_new`` tokens would take (0 if
@@ -150,9 +170,56 @@ class ChainTiers:
         heads = pos.shape[0] * pos.shape[1]
         return [(upto[s.end] - upto[s.start]) / heads for s in chain.spans]
 
+    # --- agent hints (engine/chain/hints.py) ------------------------------------------------------
+    def check_hints(self, session_id: Hashable, spec: MethodSpec, total_tokens: int, hints: SessionHints) -> None:
+        """Raise InvalidHint for a hint out of range, PinLimit for a pin that would take the pinned
+        sessions past ``max_pinned_fraction`` of the pool (counting the most this session can hold
+        after the turn: ``total_tokens`` under its method's budget)."""
+        hints.check(self.max_pin_ttl_s)
+        if hints.pin_ttl_s is None:
+            return
+        limit = int(self.max_pinned_fraction * self.manager.pool.num_pages)
+        kept = min(total_tokens, self.controller.method_for(spec).kept_tokens(total_tokens))
+        need = self.manager.pages_for_new(kept)
+        held = self.pinned_pages(exclude=session_id)
+        if held + need > limit:
+            raise PinLimit(
+                f"pinning session {session_id!r} (up to {need} KV pages) would take the pinned sessions to "
+                f"{held + need} pages; at most {limit} ({self.max_pinned_fraction:g} of the pool) may be pinned"
+            )
+
+    def after_turn(self, chain: Chain, hints: SessionHints | None) -> None:
+        """A turn ended normally: its pin starts (its TTL from now), or a release ends any pin and
+        demotes the idle chain to host memory."""
+        if hints is None:
+            return
+        if hints.release:
+            chain.pinned_until = 0.0
+            if chain.state is ChainState.IDLE and self.manager.has(chain.session_id):
+                self.demote(chain)
+        elif hints.pin_ttl_s is not None:
+            chain.pinned_until = self.clock() + hints.pin_ttl_s
+
     # --- moves ------------------------------------------------------------------------------------
     def _idle(self) -> list[Chain]:
-        return [c for c in self.chains.values() if c.state is ChainState.IDLE and self.manager.has(c.session_id)]
+        """Idle chains on the GPU that may be demoted, in demotion order: lowest priority, then least
+        recently used. A pinned chain (agent hints) is not among them while its pin holds."""
+        now = self.clock()
+        idle = [
+            c
+            for c in self.chains.values()
+            if c.state is ChainState.IDLE and not c.pinned(now) and self.manager.has(c.session_id)
+        ]
+        return sorted(idle, key=lambda c: (c.priority, c.last_used))
+
+    def pinned_pages(self, exclude: Hashable = None) -> int:
+        """Pages the chains with a live pin hold on the GPU (``exclude``: one session left out)."""
+        now = self.clock()
+        return sum(
+            self.manager.num_pages(c.session_id)
+            for c in self.chains.values()
+            if c.session_id != exclude and c.pinned(now) and self.manager.has(c.session_id)
+        )
 
     def set_host(self, chain: Chain, snap: SessionSnapshot, source: Tier) -> None:
         self.clear_host(chain)

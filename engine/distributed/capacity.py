@@ -68,6 +68,7 @@ def plan_digest(batch) -> int:
         ("p", [(repr(s.seq_id), n) for s, n in batch.prefill]),
         ("x", [repr(s.seq_id) for s in batch.preempted]),
         ("f", [repr(s.seq_id) for s, _ in batch.failed]),
+        ("s", [repr(s.seq_id) for s in batch.swap_in]),
     ]
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
 

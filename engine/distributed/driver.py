@@ -17,6 +17,7 @@ goes down (the launcher then stops the server).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from engine.distributed import capacity, group, snapshots
@@ -40,11 +41,15 @@ REPLICATED = (
 _STOP = "__stop__"
 
 
-def execute(engine, name: str, args: tuple, kwargs: dict) -> Any:
-    """Run one replicated call on this rank's engine; collective calls collect here. Every rank
+def execute(engine, name: str, args: tuple, kwargs: dict, now: float | None = None) -> Any:
+    """Run one replicated call on this rank's engine; collective calls collect here. ``now``: rank 0's
+    clock when it sent the call, what every rank's pins (agent hints) expire by during it, so the
+    ranks demote alike. Every rank
     learns whether the call was refused anywhere (a ValueError or KeyError, raised before any
     collective): refused on some ranks only is fatal. Any other error ends this rank's process."""
     result, error = None, None
+    if now is not None:
+        engine.chains.tiers.clock = lambda: now
     try:
         if name == "snapshot_session":
             result = engine.snapshot_session(*args, **kwargs)
@@ -79,8 +84,9 @@ class TensorParallelEngine:
     def _call(self, name: str, *args, **kwargs) -> Any:
         if self._stopped:
             raise TensorParallelError("the tensor-parallel group has been shut down")
-        group.broadcast_object((name, args, kwargs))
-        return execute(self.engine, name, args, kwargs)
+        now = time.monotonic()
+        group.broadcast_object((name, args, kwargs, now))
+        return execute(self.engine, name, args, kwargs, now)
 
     def __getattr__(self, name: str) -> Any:
         if name in REPLICATED:
@@ -97,7 +103,7 @@ class TensorParallelEngine:
         """Release the followers (their loops return)."""
         if not self._stopped:
             self._stopped = True
-            group.broadcast_object((_STOP, (), {}))
+            group.broadcast_object((_STOP, (), {}, None))
 
 
 def follow(engine) -> None:
@@ -105,13 +111,13 @@ def follow(engine) -> None:
     request) are rank 0's to report; anything else ends this process."""
     capacity.install(engine)
     while True:
-        name, args, kwargs = group.broadcast_object()
+        name, args, kwargs, now = group.broadcast_object()
         if name == _STOP:
             return
         if name not in REPLICATED:
             raise TensorParallelError(f"rank 0 sent an unknown call {name!r}")
         try:
-            execute(engine, name, args, kwargs)
+            execute(engine, name, args, kwargs, now)
         except TensorParallelError:
             raise
         except Exception as e:  # failed on every rank alike: rank 0 reports it to the client

@@ -132,6 +132,7 @@ class ChatCompletions:
         rq.set_extension(base, body)
         roles = [m.role for m in messages]
         chain = chain_protocol.chain_request(body, roles)  # before anything looks the session up
+        rq.set_agent_hints(base, body)
         key_hint = None if chain is not None else body.get("prompt_cache_key") or session_header
         if key_hint is not None and (not isinstance(key_hint, str) or not key_hint or len(key_hint) > 1024):
             raise invalid("prompt_cache_key must be a non-empty string of at most 1024 characters", "prompt_cache_key")

@@ -2,7 +2,9 @@
 
 Sampling (temperature, top_p, presence/frequency/repetition penalties, seed, stop, the max tokens), function tools, ``tool_choice``, the JSON
 output formats and the ``chainkv`` extension field (``extra_body={"chainkv": {"method": "snapkv",
-"budget": 1024}}``: the session's method, checked by the same code as the gRPC Turn's). Anything
+"budget": 1024}}``: the session's method, checked by the same code as the gRPC Turn's), and Dynamo's
+``nvext`` agent hints (``{"nvext": {"agent_hints": {"priority": 5}, "session_control": {"action": "pin",
+"ttl_seconds": 30}}}``). Anything
 out of range is a 400 naming the field; nothing reaches the engine unchecked.
 """
 
@@ -12,6 +14,7 @@ import json
 import math
 from typing import Any
 
+from engine.chain import MAX_PRIORITY
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.http.errors import OpenAIError, invalid
 from sidecar.structured import OutputSpecError, schema_text
@@ -141,6 +144,57 @@ def set_extension(req: pb.TurnRequest, body: dict) -> None:
         if isinstance(v, (dict, list)) or v is None:
             raise invalid("chainkv.method_args values must be strings or numbers", "chainkv.method_args")
         req.method_args[str(k)[:128]] = (json.dumps(v) if isinstance(v, bool) else str(v))[:1024]
+
+
+AGENT_HINT_FIELDS = ("priority",)
+SESSION_CONTROL_FIELDS = ("action", "ttl_seconds")
+
+
+def set_agent_hints(req: pb.TurnRequest, body: dict) -> None:
+    """Dynamo's ``nvext`` request extension: ``agent_hints.priority`` and ``session_control`` (``action``
+    "pin" with ``ttl_seconds``, or "release"), set on the Turn's AgentHints / SessionControl (whose
+    checks, the same as gRPC's, follow)."""
+    ext = body.get("nvext")
+    if ext is None:
+        return
+    if not isinstance(ext, dict):
+        raise invalid('nvext must be an object like {"agent_hints": {"priority": 5}}', "nvext")
+    unknown = set(ext) - {"agent_hints", "session_control"}
+    if unknown:
+        raise invalid(
+            f"unknown nvext field(s): {', '.join(sorted(map(str, unknown)))[:200]}; known: agent_hints, session_control",
+            "nvext",
+        )
+    hints = _object(ext, "agent_hints", AGENT_HINT_FIELDS)
+    if hints is not None:
+        req.agent_hints.SetInParent()
+        priority = integer(hints, "priority", -MAX_PRIORITY, MAX_PRIORITY, prefix="nvext.agent_hints.")
+        if priority is not None:
+            req.agent_hints.priority = priority
+    control = _object(ext, "session_control", SESSION_CONTROL_FIELDS)
+    if control is not None:
+        action = control.get("action", "")
+        if not isinstance(action, str):
+            raise invalid("nvext.session_control.action must be a string", "nvext.session_control.action")
+        req.session_control.action = action[:64]
+        ttl = number(control, "ttl_seconds", 0.0, 1e12, lo_open=True, prefix="nvext.session_control.")
+        if ttl is not None:
+            req.session_control.ttl_seconds = ttl
+
+
+def _object(ext: dict, name: str, known: tuple[str, ...]) -> dict | None:
+    v = ext.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise invalid(f"nvext.{name} must be an object", f"nvext.{name}")
+    unknown = set(v) - set(known)
+    if unknown:
+        raise invalid(
+            f"unknown nvext.{name} field(s): {', '.join(sorted(map(str, unknown)))[:200]}; known: {', '.join(known)}",
+            f"nvext.{name}",
+        )
+    return v
 
 
 def function_tool(name: Any, description: Any, parameters: Any, where: str) -> pb.Tool:

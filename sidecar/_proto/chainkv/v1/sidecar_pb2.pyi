@@ -102,7 +102,7 @@ class TurnIndexConflict(_message.Message):
     def __init__(self, session_turn_index: _Optional[int] = ..., expected_turn_index: _Optional[int] = ...) -> None: ...
 
 class TurnRequest(_message.Message):
-    __slots__ = ("session_id", "request_id", "messages", "tools", "expected_turn_index", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "method", "budget", "budget_ratio", "method_args", "shared_prefix_messages", "public_prefix", "response_format", "tool_choice")
+    __slots__ = ("session_id", "request_id", "messages", "tools", "expected_turn_index", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "method", "budget", "budget_ratio", "method_args", "shared_prefix_messages", "public_prefix", "response_format", "tool_choice", "agent_hints", "session_control")
     class MethodArgsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,8 @@ class TurnRequest(_message.Message):
     PUBLIC_PREFIX_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    AGENT_HINTS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_CONTROL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[Message]
@@ -156,7 +158,23 @@ class TurnRequest(_message.Message):
     public_prefix: bool
     response_format: ResponseFormat
     tool_choice: ToolChoice
-    def __init__(self, session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., expected_turn_index: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., method: _Optional[str] = ..., budget: _Optional[int] = ..., budget_ratio: _Optional[float] = ..., method_args: _Optional[_Mapping[str, str]] = ..., shared_prefix_messages: _Optional[int] = ..., public_prefix: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ...) -> None: ...
+    agent_hints: AgentHints
+    session_control: SessionControl
+    def __init__(self, session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., expected_turn_index: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., method: _Optional[str] = ..., budget: _Optional[int] = ..., budget_ratio: _Optional[float] = ..., method_args: _Optional[_Mapping[str, str]] = ..., shared_prefix_messages: _Optional[int] = ..., public_prefix: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., agent_hints: _Optional[_Union[AgentHints, _Mapping]] = ..., session_control: _Optional[_Union[SessionControl, _Mapping]] = ...) -> None: ...
+
+class AgentHints(_message.Message):
+    __slots__ = ("priority",)
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    priority: int
+    def __init__(self, priority: _Optional[int] = ...) -> None: ...
+
+class SessionControl(_message.Message):
+    __slots__ = ("action", "ttl_seconds")
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    action: str
+    ttl_seconds: float
+    def __init__(self, action: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class ResponseFormat(_message.Message):
     __slots__ = ("type", "json_schema", "regex", "grammar")
@@ -197,7 +215,7 @@ class TextDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "reused_tokens", "prefilled_tokens", "pruned_tokens", "generated_tokens", "time_to_first_token_s", "source_tier", "history_tokens", "kv_tokens")
+    __slots__ = ("prompt_tokens", "reused_tokens", "prefilled_tokens", "pruned_tokens", "generated_tokens", "time_to_first_token_s", "source_tier", "history_tokens", "kv_tokens", "timing")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +225,7 @@ class Usage(_message.Message):
     SOURCE_TIER_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     reused_tokens: int
     prefilled_tokens: int
@@ -216,7 +235,30 @@ class Usage(_message.Message):
     source_tier: Tier
     history_tokens: int
     kv_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., pruned_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., source_tier: _Optional[_Union[Tier, str]] = ..., history_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ...) -> None: ...
+    timing: TurnTiming
+    def __init__(self, prompt_tokens: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., pruned_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., source_tier: _Optional[_Union[Tier, str]] = ..., history_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., timing: _Optional[_Union[TurnTiming, _Mapping]] = ...) -> None: ...
+
+class TurnTiming(_message.Message):
+    __slots__ = ("waiting_s", "swap_in_s", "recompute_s", "prefill_s", "decode_s", "decode_stall_s", "other_s", "total_s", "recompute_tokens")
+    WAITING_S_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_S_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STALL_S_FIELD_NUMBER: _ClassVar[int]
+    OTHER_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    waiting_s: float
+    swap_in_s: float
+    recompute_s: float
+    prefill_s: float
+    decode_s: float
+    decode_stall_s: float
+    other_s: float
+    total_s: float
+    recompute_tokens: int
+    def __init__(self, waiting_s: _Optional[float] = ..., swap_in_s: _Optional[float] = ..., recompute_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., decode_stall_s: _Optional[float] = ..., other_s: _Optional[float] = ..., total_s: _Optional[float] = ..., recompute_tokens: _Optional[int] = ...) -> None: ...
 
 class TurnCompletion(_message.Message):
     __slots__ = ("session_id", "request_id", "turn_index", "generation", "finish_reason", "text", "tool_calls", "token_ids", "usage", "replayed")
