@@ -162,7 +162,7 @@ def build_app(server: "SidecarServer", options: HttpOptions | None = None) -> Fa
         return await responses.delete(response_id, authorization)
 
     @app.post("/v1/prefix_cache/{action}")
-    @_openai_errors
+    @guard
     async def prefix_cache(action: str, request: Request, authorization: str | None = Header(None)):
         handler = {
             "inspect": cache.inspect,
@@ -178,7 +178,7 @@ def build_app(server: "SidecarServer", options: HttpOptions | None = None) -> Fa
         return await handler(await body(request), authorization)
 
     @app.get("/v1/prefix_cache/prune/{prune_id}")
-    @_openai_errors
+    @guard
     async def prune_status(prune_id: str, authorization: str | None = Header(None)):
         return cache.prune_status(prune_id, authorization)
 
