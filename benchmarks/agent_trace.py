@@ -15,6 +15,8 @@ sessions at a time, once per configuration (``--configs``, comma-separated):
   METHOD           a sparse method on the chain cache (snapkv, quest, ...; ``--method-budget`` tokens per head)
   CONFIG+prune     the same with Prefix-Cache Pruning of old tool output: after each turn a
                    PruneHistory drops the KV of tool spans at least ``--tool-prune-lag`` turns old
+  METHOD+recall    the method's ``+recall`` variant: what it evicts stays recallable in host memory
+                   (engine/recall.py); combines with +prune
 
 A method the sidecar does not know (GetServerInfo lists them) is skipped with a message.
 Per configuration: time to first token per turn (client side, by turn index), time per output
@@ -119,14 +121,15 @@ class Config:
 
     @classmethod
     def parse(cls, name: str) -> "Config":
-        base, _, extra = name.partition("+")
-        if extra not in ("", "prune"):
-            raise SystemExit(f"unknown configuration suffix {extra!r} in {name!r} (only +prune)")
+        base, *extras = name.split("+")
+        if any(e not in ("prune", "recall") for e in extras) or len(set(extras)) < len(extras):
+            raise SystemExit(f"unknown configuration suffix in {name!r} (+recall, +prune)")
         if base == "nochain":
-            if extra:
-                raise SystemExit("nochain has no cached history to prune")
+            if extras:
+                raise SystemExit("nochain has no cached history to prune or recall")
             return cls(name, False, "dense", False)
-        return cls(name, True, base, bool(extra))
+        method = base + ("+recall" if "recall" in extras else "")
+        return cls(name, True, method, "prune" in extras)
 
 
 async def one_turn(client: AsyncChainKVClient, session_id: str, messages: list[dict], opts: dict) -> dict:
@@ -247,6 +250,7 @@ async def replay(target: str, args, params: TraceParams, profile=None, on_update
     async with AsyncChainKVClient(target, timeout_s=args.turn_timeout_s) as client:
         info = await client.server_info()
         known = set(info.methods)
+        known |= {f"{m}+recall" for m in known}  # the sidecar refuses a method that cannot recall
         print(
             f"sidecar: {info.model} ({info.architecture}), max_model_len {info.max_model_len}, "
             f"methods {', '.join(sorted(known))}"

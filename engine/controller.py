@@ -129,12 +129,13 @@ class SparseController:
         method = self._method_of.get(seq_id)
         return None if method is None else method.recall_settings()
 
-    def recall_now(self, seq_id: SeqId, num_tokens: int, queries: torch.Tensor) -> RecallResult:
+    def recall_now(self, seq_id: SeqId, num_tokens: int, queries: torch.Tensor, at_input: bool) -> RecallResult:
         """Recall what ``queries`` ``[L, n, Hq, D]`` attend to into ``seq_id``'s heads, within its
-        method's budget for ``num_tokens`` logical tokens."""
+        method's budget for ``num_tokens`` logical tokens. ``at_input``: the queries are a turn's
+        input (what this turn evicted is not a candidate: the method just decided on it)."""
         method = self._method_of[seq_id]
         cap = method.kept_tokens(num_tokens) if method.holds_budget else 0
-        return self.recall.recall(seq_id, queries, cap, self._protected.get(seq_id, 0))
+        return self.recall.recall(seq_id, queries, cap, self._protected.get(seq_id, 0), at_input)
 
     # --- prefill ----------------------------------------------------------------------------------
     def prefill_probs_window(self, chunk: ChunkInfo) -> int:
@@ -330,6 +331,7 @@ class SparseController:
     # --- turn end ---------------------------------------------------------------------------------
     def on_turn_end(self, seq: SeqInfo, spans: Sequence[Span]) -> None:
         method = self._method_of[seq.seq_id]
+        self.recall.next_turn(seq.seq_id)
         if not _overrides(method, "on_turn_end"):
             return
         per_layer = method.on_turn_end(seq, spans) or {}

@@ -152,9 +152,15 @@ class RecallTier:
         return rows.numel()
 
     # --- recall ----------------------------------------------------------------------------------
-    def recall(self, seq_id: SeqId, queries: torch.Tensor, cap: int, protect: int) -> RecallResult:
+    def next_turn(self, seq_id: SeqId) -> None:
+        """A turn of ``seq_id`` ended: what it evicted becomes recallable at the next turn's input."""
+        if seq_id in self.stores:
+            self.stores[seq_id].next_turn()
+
+    def recall(self, seq_id: SeqId, queries: torch.Tensor, cap: int, protect: int, earlier_turns: bool) -> RecallResult:
         """Bring back the cold tokens ``queries`` ``[L, n, Hq, D]`` attend to most; each head then
-        holds at most ``max(cap, what it holds now)`` tokens."""
+        holds at most ``max(cap, what it holds now)`` tokens. ``earlier_turns``: only what earlier
+        turns evicted is a candidate (at a turn's input, the method's own choice for this turn stands)."""
         store = self.stores.get(seq_id)
         settings = self.settings.get(seq_id)
         if store is None or settings is None or store.live_tokens() == 0:
@@ -163,7 +169,7 @@ class RecallTier:
         L, H, D, P = s.num_layers, s.num_kv_heads, s.head_dim, s.page_size
         n = queries.shape[1]
         q = queries.reshape(L, n, H, -1, D).permute(0, 2, 1, 3, 4).reshape(L, H, -1, D).float()
-        bounds = store.block_scores(q)  # [L, H, NB]
+        bounds = store.block_scores(q, store.turn if earlier_turns else None)  # [L, H, NB]
         slot = m.slot(seq_id)
         length = m.lengths[slot].long()  # [L, H]
         pages = settings.recall_pages or max(1, -(-max(cap, 1) // (4 * P)))
@@ -181,7 +187,8 @@ class RecallTier:
         logit = (q @ k.float().transpose(-1, -2)).amax(-2)  # [L, H, T + C]
         idx = torch.arange(k.shape[2], device=k.device)
         len_d = to_device(length, k.device)
-        recent = (idx < T) & (idx >= (len_d - settings.recall_window)[..., None])
+        keep_recent = min(settings.recall_window, max(cap, 2) // 2)  # at most half the budget is pinned
+        recent = (idx < T) & (idx >= (len_d - keep_recent)[..., None])
         forced = valid & ((pos < protect) | recent)
         key = torch.where(forced, float("inf"), torch.where(valid, logit, float("-inf")))
         limit = torch.maximum(len_d, torch.full_like(len_d, cap))  # [L, H]

@@ -35,19 +35,19 @@ class RecallStep:
         for seq, _ in batch.prefill:
             if seq.num_cached == seq.num_tokens and not seq.finished:
                 settings = self.controller.recall_settings(seq.seq_id)
-                if settings is not None and self._recall(seq, windows) and settings.recall_rerun:
+                if settings is not None and self._recall(seq, windows, True) and settings.recall_rerun:
                     self._rerun(seq, result)
         for seq in batch.decode:
             settings = self.controller.recall_settings(seq.seq_id)
             if settings is not None and settings.recall_interval and seq.num_cached % settings.recall_interval == 0:
-                self._recall(seq, windows)
+                self._recall(seq, windows, False)
 
-    def _recall(self, seq, windows: dict) -> bool:
+    def _recall(self, seq, windows: dict, at_input: bool) -> bool:
         window = windows.get(seq.seq_id)
         if window is None or window.q is None or not window.count or min(window.count) == 0:
             return False
         n = min(min(window.count), window.size)
-        result = self.controller.recall_now(seq.seq_id, seq.num_cached, window.q[:, :n])
+        result = self.controller.recall_now(seq.seq_id, seq.num_cached, window.q[:, :n], at_input)
         return result.recalled > 0
 
     @torch.inference_mode()

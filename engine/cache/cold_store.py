@@ -59,6 +59,11 @@ class ColdStore:
         self.count = torch.zeros(num_layers, num_kv_heads, dtype=torch.int64)
         """Token slots used per row (dead blocks and the padding after a dead last block included)."""
         self.dead = torch.zeros(num_layers, num_kv_heads, 0, dtype=torch.bool)
+        self.epoch = torch.zeros(num_layers, num_kv_heads, 0, dtype=torch.int64)
+        """The turn (``turn``'s value) in which each block got its first token."""
+        self.turn = 0
+        """Counts the sequence's finished turns (``next_turn``): blocks of the turn in progress can be
+        left out of a recall (``block_scores(before=...)``)."""
         self.k = self.v = self.scale_k = self.scale_v = self.pos = None
         self.lo = self.hi = None
         self._grow(block)
@@ -84,8 +89,9 @@ class ColdStore:
         start = torch.arange(self.num_blocks) * self.P
         return (self.count[..., None] - start).clamp(0, self.P)
 
-    def _host(self, *shape, dtype) -> torch.Tensor:
-        return torch.zeros(*shape, dtype=dtype, pin_memory=self.device.type == "cuda")
+    @staticmethod
+    def _host(*shape, dtype) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype)  # pageable: pinning GBs that grow by doubling costs more
 
     def _grow(self, capacity: int) -> None:
         capacity = -(-capacity // self.P) * self.P
@@ -98,6 +104,7 @@ class ColdStore:
             lo = torch.full((L, H, nb, D), float("inf"), dtype=self.dtype, device=self.device)
             hi = torch.full((L, H, nb, D), float("-inf"), dtype=self.dtype, device=self.device)
             dead = torch.zeros(L, H, nb, dtype=torch.bool)
+            epoch = torch.zeros(L, H, nb, dtype=torch.int64)
             if self.format == "fp8":
                 sk, sv = (
                     self._host(L, H, capacity, dtype=torch.float32),
@@ -107,9 +114,10 @@ class ColdStore:
                 k[:, :, :old], v[:, :, :old], pos[:, :, :old] = self.k, self.v, self.pos
                 ob = old // self.P
                 lo[:, :, :ob], hi[:, :, :ob], dead[:, :, :ob] = self.lo, self.hi, self.dead
+                epoch[:, :, :ob] = self.epoch
                 if self.format == "fp8":
                     sk[:, :, :old], sv[:, :, :old] = self.scale_k, self.scale_v
-        self.k, self.v, self.pos, self.lo, self.hi, self.dead = k, v, pos, lo, hi, dead
+        self.k, self.v, self.pos, self.lo, self.hi, self.dead, self.epoch = k, v, pos, lo, hi, dead, epoch
         if self.format == "fp8":
             self.scale_k, self.scale_v = sk, sv
         self.capacity = capacity
@@ -136,26 +144,37 @@ class ColdStore:
         start = torch.cumsum(per, 0) - per
         dest = self.count.reshape(-1)[rows] + torch.arange(n) - start[rows]
         layer, head = rows // self.H, rows % self.H
+        opens = dest % self.P == 0  # a token that starts a block dates it
+        self.epoch[layer[opens], head[opens], dest[opens] // self.P] = self.turn
         with torch.inference_mode(False):
-            k_host, v_host = (
-                self._encode(k, layer, head, dest, self.scale_k),
-                self._encode(v, layer, head, dest, self.scale_v),
-            )
-            self.k[layer, head, dest], self.v[layer, head, dest] = k_host, v_host
-            self.pos[layer, head, dest] = pos.to("cpu", torch.int32)
+            k_host, k_scale, k_seen = self._encode(k)
+            v_host, v_scale, _ = self._encode(v)
+            pos_host = pos.to("cpu", torch.int32)
+            # each row's new tokens are one contiguous run: copy runs, not scattered tokens
+            for r in per.nonzero().flatten().tolist():
+                layer_r, head_r = divmod(r, self.H)
+                c, m, s0 = int(self.count.view(-1)[r]), int(per[r]), int(start[r])
+                self.k[layer_r, head_r, c : c + m] = k_host[s0 : s0 + m]
+                self.v[layer_r, head_r, c : c + m] = v_host[s0 : s0 + m]
+                self.pos[layer_r, head_r, c : c + m] = pos_host[s0 : s0 + m]
+                if k_scale is not None:
+                    self.scale_k[layer_r, head_r, c : c + m] = k_scale[s0 : s0 + m]
+                    self.scale_v[layer_r, head_r, c : c + m] = v_scale[s0 : s0 + m]
             block = (rows * self.num_blocks + dest // self.P).to(self.device)
-            kf = k.to(self.dtype)
             D = self.D
-            self.lo.view(-1, D).scatter_reduce_(0, block[:, None].expand(-1, D), kf, "amin")
-            self.hi.view(-1, D).scatter_reduce_(0, block[:, None].expand(-1, D), kf, "amax")
+            self.lo.view(-1, D).scatter_reduce_(0, block[:, None].expand(-1, D), k_seen, "amin")
+            self.hi.view(-1, D).scatter_reduce_(0, block[:, None].expand(-1, D), k_seen, "amax")
         self.count.view(-1).add_(per)
 
-    def _encode(self, x: torch.Tensor, layer, head, dest, scale) -> torch.Tensor:
+    def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``x`` ``[n, D]`` (device) as stored on the host (values, fp8's scales or None), and as it
+        will read back, on the device (the bounds are taken of that, so they hold for a recall)."""
         if self.format == "plain":
-            return x.to("cpu", self.dtype)
+            x = x.to(self.dtype)
+            return x.cpu(), None, x
         s = (x.float().abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
-        scale[layer, head, dest] = s.cpu()
-        return (x.float() / s[:, None]).to(FP8).cpu()
+        xq = (x.float() / s[:, None]).to(FP8)
+        return xq.cpu(), s.cpu(), (xq.float() * s[:, None]).to(self.dtype)
 
     def _decode(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         if self.format == "plain":
@@ -163,14 +182,21 @@ class ColdStore:
         return (x.float() * scale[..., None]).to(self.dtype)
 
     # --- scoring and out -----------------------------------------------------------------------
-    def block_scores(self, q: torch.Tensor) -> torch.Tensor:
+    def next_turn(self) -> None:
+        """The sequence finished a turn: blocks started from now on belong to the next one."""
+        self.turn += 1
+
+    def block_scores(self, q: torch.Tensor, before: int | None = None) -> torch.Tensor:
         """Upper bounds of ``q . k`` over each block, ``[L, H, NB]`` float32 (-inf for dead or empty
-        blocks), from queries ``q`` ``[L, H, n, D]`` (a row's query group and window flattened)."""
+        blocks, and for blocks of turn ``before`` or later), from queries ``q`` ``[L, H, n, D]`` (a
+        row's query group and window flattened)."""
         qf = q.float()
         pos_part, neg_part = qf.clamp(min=0), qf.clamp(max=0)
         bound = pos_part @ self.hi.float().transpose(-1, -2) + neg_part @ self.lo.float().transpose(-1, -2)
         best = bound.amax(-2)  # [L, H, NB]
         live = (self._fill() > 0) & ~self.dead
+        if before is not None:
+            live &= self.epoch < before
         return best.masked_fill(~live.to(best.device), float("-inf"))
 
     def take(self, blocks: torch.Tensor) -> ColdTokens:
@@ -181,15 +207,17 @@ class ColdStore:
         fill = self._fill()
         ok = blocks >= 0
         b = blocks.clamp(min=0)
-        tok = b[..., None] * P + torch.arange(P)  # [L, H, K, P]
-        valid = ok[..., None] & (torch.arange(P) < fill.gather(2, b)[..., None])
-        tok = tok.reshape(L, H, K * P)
-        valid = valid.reshape(L, H, K * P)
+        valid = (ok[..., None] & (torch.arange(P) < fill.gather(2, b)[..., None])).reshape(L, H, K * P)
         li = torch.arange(L)[:, None, None]
         hi = torch.arange(H)[None, :, None]
-        k = self._decode(self.k[li, hi, tok], None if self.scale_k is None else self.scale_k[li, hi, tok])
-        v = self._decode(self.v[li, hi, tok], None if self.scale_v is None else self.scale_v[li, hi, tok])
-        pos = self.pos[li, hi, tok].masked_fill(~valid, -1)
+        NB, D = self.num_blocks, self.D
+
+        def blocks_of(t: torch.Tensor | None, *tail: int) -> torch.Tensor | None:  # whole blocks, contiguous
+            return None if t is None else t.view(L, H, NB, P, *tail)[li, hi, b].reshape(L, H, K * P, *tail)
+
+        k = self._decode(blocks_of(self.k, D), blocks_of(self.scale_k))
+        v = self._decode(blocks_of(self.v, D), blocks_of(self.scale_v))
+        pos = blocks_of(self.pos).masked_fill(~valid, -1)
         # mark the blocks dead; a dead last block is closed so later appends start a fresh one
         lr, hr, kr = ok.nonzero(as_tuple=True)
         self.dead[lr, hr, blocks[lr, hr, kr]] = True
@@ -214,6 +242,7 @@ class ColdStore:
             self.k, self.v, self.pos = self.k[li, hi_, tok], self.v[li, hi_, tok], self.pos[li, hi_, tok]
             if self.scale_k is not None:
                 self.scale_k, self.scale_v = self.scale_k[li, hi_, tok], self.scale_v[li, hi_, tok]
+            self.epoch = self.epoch.gather(2, order)
             od = order.to(self.device)
             self.lo = self.lo.gather(2, od[..., None].expand(-1, -1, -1, self.D))
             self.hi = self.hi.gather(2, od[..., None].expand(-1, -1, -1, self.D))
@@ -232,7 +261,9 @@ class ColdStore:
         """Host tensors that rebuild the store (``from_state``): live tokens only."""
         self.compact()
         used = max(1, int(self.count.max()))
+        nb = -(-used // self.P)
         out = {"count": self.count.clone(), "pos": self.pos[:, :, :used].clone()}
+        out["epoch"], out["turn"] = self.epoch[:, :, :nb].clone(), torch.tensor([self.turn])
         out["k"], out["v"] = self.k[:, :, :used].clone(), self.v[:, :, :used].clone()
         if self.scale_k is not None:
             out["scale_k"], out["scale_v"] = self.scale_k[:, :, :used].clone(), self.scale_v[:, :, :used].clone()
@@ -256,6 +287,10 @@ class ColdStore:
             if fp8:
                 self.scale_k[:, :, :used], self.scale_v[:, :, :used] = state["scale_k"].cpu(), state["scale_v"].cpu()
         self.count = count.clone()
+        if "epoch" in state:
+            epoch = state["epoch"].long().cpu()
+            self.epoch[:, :, : epoch.shape[2]] = epoch
+            self.turn = int(state["turn"].reshape(-1)[0])
         keys = self._decode(self.k, self.scale_k).to(self.device, self.dtype)  # [L, H, C, D]
         valid = (torch.arange(self.capacity)[None, None, :] < count[..., None]).to(self.device)[..., None]
         shape = (self.L, self.H, self.num_blocks, self.P, self.D)

@@ -375,6 +375,7 @@ class ChainCache:
             "spec": {**spec_record(chain.spec), "method_args": dict(chain.spec.method_args)},
             "kv_tokens": int(mgr.seq_lengths(session_id).sum()) if on_gpu else 0,
             "kv_pages": mgr.num_pages(session_id) if on_gpu else 0,
+            "cold_tokens": self.controller.recall.cold_tokens(session_id) if on_gpu else 0,
             "pruned_tokens": chain.pruned_tokens,
             "prune_log": list(chain.prune_log),
             "shared_prefix_tokens": chain.seq.protected_len,

@@ -160,7 +160,7 @@ class ChainTiers:
         tensors = {f"method.{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)}
         plain = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
         if chain.queries is not None and chain.queries.q is not None:
-            tensors["queries"] = chain.queries.q.cpu()
+            tensors["queries"] = chain.queries.q.to("cpu", copy=True)  # never the live window itself
         meta = {
             "method_state": plain,
             "num_cached": chain.seq.num_cached,
