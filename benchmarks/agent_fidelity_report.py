@@ -15,6 +15,7 @@ def _pct(x) -> str | None:
 
 def section(d: dict, stem: str) -> str:
     where = d.get("device", "?")
+    dense_positions = next((s["positions"] for s in d["summary"] if s["method"] == "dense"), 0)
     parts = [
         f"## Agent fidelity at {d['mean_tokens']:.0f} tokens ({'GPU' if 'gpu' in stem else 'CPU'})",
         f"`benchmarks/agent_fidelity.py --size {d['size']}` on {where}, {d['model']}: {d['samples']} agent "
@@ -27,7 +28,7 @@ def section(d: dict, stem: str) -> str:
         "holds at the reply's first step on the device / on the device or recallable from the cold tier; EM: "
         "the answer in the free-running reply (known up to the first disagreement); KV / cold: KV entries on the "
         f"device / in the cold tier at the end over the history's. Dense's own exact match: "
-        f"{_pct(d['dense_exact_match'])}.",
+        f"{_pct(d['dense_exact_match'])}; {dense_positions} reply positions.",
     ]
     dense = [s for s in d["summary"] if s["method"] == "dense"]
     cols = [
