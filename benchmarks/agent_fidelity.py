@@ -19,8 +19,8 @@ quest and omnikv (they keep every token: no recall variant). Budgets are ``budge
 fraction of the context each (layer, kv-head) keeps as the chain grows. Each configuration's result is
 saved (``--out``) as it finishes; a table is printed last; benchmarks/report.py renders the JSON.
 
-    python benchmarks/agent_fidelity.py --size cpu   # 1 transcript of 1.5K tokens, 5 configurations: ~20 min
-                                                     # on 2 cores shared by 9 jobs (a few on 2 idle cores)
+    python benchmarks/agent_fidelity.py --size cpu   # 2 transcripts of 2K tokens, 5 configurations: 6 min idle,
+                                                     # about an hour on 2 cores shared by 9 jobs
     bash benchmarks/agent_fidelity_gpu.sh $OUT                           # the H200, --size gpu
 """
 
@@ -85,7 +85,7 @@ class Preset:
 
 PRESETS = {
     "tiny": Preset(1, 500, 2, 1, 8, ("streaming_llm",), (0.1,), step_reply=1),
-    "cpu": Preset(1, 1500, 3, 1, 16, ("streaming_llm", "snapkv"), (0.1,), step_reply=1),
+    "cpu": Preset(2, 2000, 3, 2, 16, ("streaming_llm", "snapkv"), (0.1,), step_reply=1),
     "gpu": Preset(8, 7000, 6, 3, 48, EVICTION + FULL_KV, (0.25, 0.5, 0.1)),
 }
 
