@@ -446,6 +446,18 @@ def _agent_quality(stem: str):
 RENDERERS.update({s: _agent_quality(s) for s in ("agent_quality_cpu", "agent_quality_gpu")})
 
 
+def _agent_fidelity(stem: str):
+    def render(d: dict) -> str:
+        import sys
+
+        sys.path.insert(0, str(ROOT))
+        from benchmarks.agent_fidelity_report import section  # it imports this module
+
+        return section(d, stem)
+
+    return render
+
+
 def main() -> None:
     parts = [
         "# Benchmarks",
@@ -459,6 +471,8 @@ def main() -> None:
             render = lambda d, stem=path.stem: agent_trace_section(d, stem)  # noqa: E731
         if render is None and path.stem.startswith("agent_quality") and "calibration" in d:
             render = _agent_quality(path.stem)
+        if render is None and path.stem.startswith("agent_fidelity") and "summary" in d:
+            render = _agent_fidelity(path.stem)
         parts.append(render(d) if render else generic_section(path.stem, d))
     DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text("\n\n".join(p for p in parts if p) + "\n")
