@@ -88,7 +88,9 @@ def test_sigkill_mid_stream_then_resume_elsewhere(cluster, redis_proc, reliabili
         for _ in stream:
             pass
     assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
-    procs["p1"] = Sidecar(redis_proc.url, *procs["args"]).start()  # restarts while P2 carries on
+    # restarts while P2 carries on; the next test crashes Redis while it may still be starting, so it
+    # must not refuse to start then (its health says NOT_SERVING until the store answers)
+    procs["p1"] = Sidecar(redis_proc.url, *procs["args"], "--allow-store-down").start()
     assert stored_turn(redis_proc, "k1") == 2  # both committed turns are there; the interrupted one is not
     info = p2.stub.Resume(pb.ResumeRequest(session_id="k1", expected_turn_index=2), metadata=ALPHA)
     assert info.source_tier == pb.TIER_STORE and info.turn_index == 2
@@ -136,8 +138,10 @@ def test_redis_killed_mid_turn_and_restarted(cluster, redis_proc, reliability_re
     assert m[("chainkv_snapshot_failures_total", (("reason", "unavailable"),))] >= 1
     assert m[("chainkv_snapshot_seconds_count", ())] >= 3
     logged = [json.loads(line) for line in p2.output if line.startswith("{")]
+    # store failures are logged once a minute by the store's health (sidecar/store_health.py), not per attempt
     assert any(
-        r["level"] == "WARNING" and r["logger"] == "sidecar.snapshots" and "alpha/k3" in r["msg"] for r in logged
+        r["level"] == "WARNING" and r["logger"] == "sidecar.store_health" and "store is unavailable" in r["msg"]
+        for r in logged
     )
     reliability_report["faults"].append(
         {
