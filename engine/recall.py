@@ -203,7 +203,7 @@ class RecallTier:
             displaced=int(out[..., :T].sum()),
         )
         if result.recalled == 0:
-            self._back(seq_id, store, k, v, pos, valid & (idx >= T))
+            self._back(seq_id, k, v, pos, valid & (idx >= T))
             return RecallResult(candidates=result.candidates)
         # the new rows: kept tokens in position order
         sort_key = torch.where(kept, pos.long(), torch.iinfo(torch.int64).max)
@@ -228,9 +228,9 @@ class RecallTier:
                 (lead // P).reshape(R).cpu(),
             )
         except OutOfPages:  # the pool cannot hold the rewrite now: everything stays as it was
-            self._back(seq_id, store, k, v, pos, valid & (idx >= T))
+            self._back(seq_id, k, v, pos, valid & (idx >= T))
             return RecallResult(candidates=result.candidates)
-        self._back(seq_id, store, k, v, pos, out)
+        self._back(seq_id, k, v, pos, out)
         self.recalls += 1
         self.recalled_tokens += result.recalled
         return result
@@ -246,7 +246,7 @@ class RecallTier:
             ps.append(torch.nn.functional.pad(pos, (0, pad), value=-1))
         return torch.stack(ks), torch.stack(vs), torch.stack(ps)
 
-    def _back(self, seq_id: SeqId, store: ColdStore, k, v, pos, mask: torch.Tensor) -> None:
+    def _back(self, seq_id: SeqId, k, v, pos, mask: torch.Tensor) -> None:
         """Tokens ``mask`` ``[L, H, T]`` of ``k``/``v``/``pos`` go to the cold tier, in position order."""
         L, H, T = mask.shape
         key = torch.where(mask, pos.long(), torch.iinfo(torch.int64).max)

@@ -4,9 +4,10 @@ Rule: the base method runs unchanged and its device working set stays within its
 are freed as before), but every token it evicts moves to the session's cold tier on the host
 (engine/cache/cold_store.py) with Quest-style key bounds per block of ``page_size`` cold tokens
 kept on the device. Once a turn's input is prefilled, the turn's last queries score every cold
-block; the ``recall_pages`` best blocks per kv-head are fetched and ranked with the hot tokens by
-their exact attention logits, and the best of both fill the head's budget (the coldest hot tokens
-go to the cold tier in their place). The turn's last input token is then run again so its reply's
+block that earlier turns evicted (this turn's evictions are the method's own decision and stand);
+the ``recall_pages`` best blocks per kv-head are fetched and ranked with the hot tokens by their
+exact attention logits, and the best of both fill the head's budget (the coldest hot tokens go to
+the cold tier in their place). The turn's last input token is then run again so its reply's
 first token reads the recalled KV. With ``recall_interval`` set, decode steps recall the same
 way every that many tokens. Snapshots carry the cold tier, so a session resumes whole elsewhere.
 
@@ -20,7 +21,7 @@ Parameters (besides the base method's):
                               of the head's budget in pages (at least 1)
     recall_window = 32        the latest queries (per layer, of the turn's input or of decoding)
                               that score the cold blocks; the latest ``recall_window`` tokens a head
-                              holds are never displaced
+                              holds (at most half its budget) are never displaced
     recall_interval = None    decode steps between recalls while a reply is decoded (None: recall
                               only when a turn's input is in); 0 is refused
     recall_rerun = True       run the turn's last input token again after a recall
