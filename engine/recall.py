@@ -81,6 +81,11 @@ class RecallTier:
             self.stores[child] = self.stores[parent].clone()
 
     @property
+    def capturing(self) -> bool:
+        """Does any sequence keep what it evicts (else compactions skip ``capture`` entirely)?"""
+        return bool(self.settings)
+
+    @property
     def host_bytes(self) -> int:
         return sum(s.nbytes for s in self.stores.values())
 
@@ -94,9 +99,7 @@ class RecallTier:
         store = self.stores.get(seq_id)
         if store is None:
             return [[torch.empty(0, dtype=torch.int32) for _ in range(H)] for _ in range(L)]
-        live = ~store.dead.repeat_interleave(store.P, dim=-1)[..., : store.capacity]
-        used = torch.arange(store.capacity)[None, None, :] < store.count[..., None]
-        keep = live & used
+        keep = store.live_slots()
         return [[store.pos[layer, h][keep[layer, h]] for h in range(H)] for layer in range(L)]
 
     def _store(self, seq_id: SeqId) -> ColdStore:

@@ -85,6 +85,11 @@ class ColdStore:
         fill = self._fill()
         return int((fill * ~self.dead).sum())
 
+    def live_slots(self) -> torch.Tensor:
+        """``[L, H, C]`` bool: the token slots that hold a recallable token (used, in a live block)."""
+        alive = ~self.dead.repeat_interleave(self.P, dim=-1)[..., : self.capacity]
+        return alive & (torch.arange(self.capacity)[None, None, :] < self.count[..., None])
+
     def _fill(self) -> torch.Tensor:
         """Tokens in each block ``[L, H, NB]``."""
         start = torch.arange(self.num_blocks) * self.P

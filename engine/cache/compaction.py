@@ -164,7 +164,7 @@ def compact(
         raise OutOfPages(f"compaction needs {cow} copy-on-write pages, {pool.num_free} free")
 
     sink = getattr(manager, "evict_sink", None)
-    if sink is not None:  # the recall tier keeps what is evicted (engine/recall.py), before pages are reused
+    if sink is not None and sink.capturing:  # the recall tier keeps what is evicted (engine/recall.py)
         for a, b in _chunks(every_row[changed], budget):
             sub = rows[changed[a:b]]
             k = _clipped(keep[to_device(changed[a:b], keep.device)], sub)
