@@ -17,33 +17,14 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.lifecycle import MethodSpec  # noqa: E402
 from engine.llm import LLMEngine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
-
-
-def tiny_model(path: str) -> None:
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )
-    tf.LlamaForCausalLM(cfg).save_pretrained(path)
+from tests.conftest import make_tiny, run_turn  # noqa: E402
 
 
 def run(engine: LLMEngine, sid: str, tokens: list[int], params, method=None) -> list[int]:
-    engine.add_turn(sid, tokens, params, method=method)
-    while True:
-        for out in engine.step():
-            if out.request_id == sid and out.finished:
-                if out.finish_reason == "failed":
-                    raise RuntimeError(f"turn of {sid} failed: {out}")
-                return out.token_ids
+    out = run_turn(engine, sid, tokens, params, method=method)
+    if out.finish_reason == "failed":
+        raise RuntimeError(f"turn of {sid} failed: {out}")
+    return out.token_ids
 
 
 def main() -> None:
@@ -52,7 +33,7 @@ def main() -> None:
     ap.add_argument("--methods", default="snapkv+recall,streaming_llm+recall,kvzip+recall")
     args = ap.parse_args()
     path = tempfile.mkdtemp()
-    tiny_model(path)
+    make_tiny("llama", path)  # the tests' tiny Llama (tests/conftest.py)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     cfg = dict(model=path, device=args.device, num_pages=4000, page_size=4, prefill_chunk_size=64)
     engine = LLMEngine(EngineConfig(**cfg))
