@@ -95,27 +95,33 @@ class Config:
     method: str
     budget: float | None = None
     recall: bool = False
+    recall_args: tuple[tuple[str, object], ...] = ()
+    """The recall variant's parameters (engine/methods/recall_variant.py), as ``(name, value)`` pairs."""
 
     @property
     def name(self) -> str:
         if self.method == "dense":
             return "dense"
-        return f"{self.method}{SUFFIX if self.recall else ''}@{self.budget:g}"
+        args = f"[{','.join(f'{k}={v}' for k, v in self.recall_args)}]" if self.recall_args else ""
+        return f"{self.method}{SUFFIX if self.recall else ''}{args}@{self.budget:g}"
 
     def spec(self) -> MethodSpec:
         if self.method == "dense":
             return MethodSpec("dense")
-        return MethodSpec(self.method + (SUFFIX if self.recall else ""), budget_ratio=self.budget)
+        name = self.method + (SUFFIX if self.recall else "")
+        return MethodSpec(name, budget_ratio=self.budget, method_args=dict(self.recall_args))
 
 
-def build_configs(methods: list[str], budgets: list[float]) -> list[Config]:
-    """dense, then per budget (in the order given) the FIRST methods (X+recall, then X), then the rest."""
+def build_configs(methods: list[str], budgets: list[float], recall_variants: list[dict] | None = None) -> list[Config]:
+    """dense, then per budget (in the order given) the FIRST methods (X+recall once per entry of
+    ``recall_variants``, then X), then the rest."""
+    variants = [tuple(sorted(v.items())) for v in (recall_variants or [{}])]
     out = [Config("dense")]
     ordered = [m for m in FIRST if m in methods] + [m for m in methods if m not in FIRST]
     for b in budgets:
         for m in ordered:
             if m not in FULL_KV:
-                out.append(Config(m, b, recall=True))
+                out += [Config(m, b, recall=True, recall_args=v) for v in variants]
             out.append(Config(m, b))
     return out
 
@@ -168,6 +174,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", type=int, default=None, help="transcript length in tokens, replies included")
     ap.add_argument("--steps", type=int, default=None, help="tool calls per transcript")
     ap.add_argument("--questions", type=int, default=None, help="question turns per transcript")
+    ap.add_argument(
+        "--recall-variants",
+        default="[{}]",
+        help="a JSON list of recall parameter sets, one X+recall configuration each "
+        "(e.g. '[{}, {\"recall_interval\": 1}]'; engine/methods/recall_variant.py lists them)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="auto")
@@ -189,7 +201,10 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [m for m in methods if m not in EVICTION + FULL_KV]
     if unknown or not all(0 < b <= 1 for b in budgets):
         raise SystemExit(f"--methods takes {', '.join(EVICTION + FULL_KV)}; --budgets ratios in (0, 1]")
-    configs = build_configs(methods, budgets)
+    variants = json.loads(args.recall_variants)
+    if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants) or not variants:
+        raise SystemExit('--recall-variants takes a non-empty JSON list of objects: [{}, {"recall_interval": 1}]')
+    configs = build_configs(methods, budgets, variants)
 
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -218,6 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
         "questions": questions,
         "budgets": budgets,
         "methods": methods,
+        "recall_variants": variants,
         "note": args.note,
         "device": str(engine.device),
         "host": platform.processor() or platform.machine(),
@@ -272,6 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
             "method": cfg.method,
             "budget": cfg.budget,
             "recall": cfg.recall,
+            "recall_args": dict(cfg.recall_args),
             **summarize_config(rows),
             "kv_fraction": sum(m.kv_fraction for m in measures) / len(measures),
             "cold_fraction": sum(m.cold_fraction for m in measures) / len(measures),

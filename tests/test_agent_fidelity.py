@@ -60,6 +60,14 @@ def test_configurations_order_and_recall_variants():
     assert names[:5] == ["dense", "snapkv+recall@0.25", "snapkv@0.25", "h2o+recall@0.25", "h2o@0.25"]
     assert "quest@0.1" in names and "quest+recall@0.1" not in names
     assert cfgs[1].spec().method == "snapkv+recall" and cfgs[1].spec().budget_ratio == 0.25
+    variants = agent_fidelity.build_configs(["snapkv"], [0.25], [{}, {"recall_interval": 4}])
+    assert [c.name for c in variants] == [
+        "dense",
+        "snapkv+recall@0.25",
+        "snapkv+recall[recall_interval=4]@0.25",
+        "snapkv@0.25",
+    ]
+    assert variants[2].spec().method_args == {"recall_interval": 4} and variants[1].spec().method_args == {}
 
 
 @pytest.mark.slow
