@@ -131,10 +131,11 @@ class SparseController:
 
     def recall_now(self, seq_id: SeqId, num_tokens: int, queries: torch.Tensor, at_input: bool) -> RecallResult:
         """Recall what ``queries`` ``[L, n, Hq, D]`` attend to into ``seq_id``'s heads, within its
-        method's budget for ``num_tokens`` logical tokens. ``at_input``: the queries are a turn's
-        input (what this turn evicted is not a candidate: the method just decided on it)."""
+        method's budget for ``num_tokens`` logical tokens (not its slack: a recall fills a head up to
+        the budget, or swaps within what it holds when it holds more). ``at_input``: the queries are
+        a turn's input (with ``recall_scope="earlier"``, what this turn evicted is not a candidate)."""
         method = self._method_of[seq_id]
-        cap = method.kept_tokens(num_tokens) if method.holds_budget else 0
+        cap = min(num_tokens, method.budget_for(num_tokens) or 0) if method.holds_budget else 0
         return self.recall.recall(seq_id, queries, cap, self._protected.get(seq_id, 0), at_input)
 
     # --- prefill ----------------------------------------------------------------------------------

@@ -160,10 +160,11 @@ class RecallTier:
         if seq_id in self.stores:
             self.stores[seq_id].next_turn()
 
-    def recall(self, seq_id: SeqId, queries: torch.Tensor, cap: int, protect: int, earlier_turns: bool) -> RecallResult:
+    def recall(self, seq_id: SeqId, queries: torch.Tensor, cap: int, protect: int, at_input: bool) -> RecallResult:
         """Bring back the cold tokens ``queries`` ``[L, n, Hq, D]`` attend to most; each head then
-        holds at most ``max(cap, what it holds now)`` tokens. ``earlier_turns``: only what earlier
-        turns evicted is a candidate (at a turn's input, the method's own choice for this turn stands)."""
+        holds at most ``max(cap, what it holds now)`` tokens. ``at_input``: the queries are a
+        turn's input; with ``recall_scope="earlier"`` only what earlier turns evicted is a candidate
+        then (the method's own choice for this turn stands)."""
         store = self.stores.get(seq_id)
         settings = self.settings.get(seq_id)
         if store is None or settings is None or store.live_tokens() == 0:
@@ -172,7 +173,8 @@ class RecallTier:
         L, H, D, P = s.num_layers, s.num_kv_heads, s.head_dim, s.page_size
         n = queries.shape[1]
         q = queries.reshape(L, n, H, -1, D).permute(0, 2, 1, 3, 4).reshape(L, H, -1, D).float()
-        bounds = store.block_scores(q, store.turn if earlier_turns else None)  # [L, H, NB]
+        earlier_only = at_input and settings.recall_scope == "earlier"
+        bounds = store.block_scores(q, store.turn if earlier_only else None)  # [L, H, NB]
         slot = m.slot(seq_id)
         length = m.lengths[slot].long()  # [L, H]
         pages = settings.recall_pages or max(1, -(-max(cap, 1) // (4 * P)))
@@ -187,7 +189,7 @@ class RecallTier:
         pos = torch.cat([hot_pos, cand.pos.to(hot_pos.device, hot_pos.dtype)], 2)
         T = hot_pos.shape[2]
         valid = pos >= 0
-        logit = (q @ k.float().transpose(-1, -2)).amax(-2)  # [L, H, T + C]
+        logit = _pooled((q @ k.float().transpose(-1, -2)).amax(-2), pos, valid, settings.recall_pool)  # [L, H, T + C]
         idx = torch.arange(k.shape[2], device=k.device)
         len_d = to_device(length, k.device)
         keep_recent = min(settings.recall_window, max(cap, 2) // 2)  # at most half the budget is pinned
@@ -276,3 +278,16 @@ class RecallTier:
             return
         store = self._store(seq_id)
         store.load(mine)
+
+
+def _pooled(logit: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, width: int) -> torch.Tensor:
+    """``logit`` ``[L, H, N]`` max-pooled over ``width`` neighbours in position order (the held
+    and candidate tokens of a head are interleaved by position first; invalid slots sort last and
+    never lend their score)."""
+    if width <= 1:
+        return logit
+    L, H, N = logit.shape
+    order = torch.where(valid, pos.long(), torch.iinfo(torch.int64).max).argsort(dim=-1, stable=True)
+    ranked = torch.where(valid, logit, float("-inf")).gather(-1, order)
+    pooled = torch.nn.functional.max_pool1d(ranked.reshape(L * H, 1, N), width, stride=1, padding=width // 2)
+    return torch.empty_like(logit).scatter_(-1, order, pooled.reshape(L, H, N))

@@ -13,6 +13,7 @@ from engine.lifecycle import MethodError, MethodSpec
 from engine.llm import LLMEngine
 from engine.methods import get_method_class
 from engine.sampling import SamplingParams
+from engine.recall import _pooled
 
 from tests.conftest import run_turn
 
@@ -131,14 +132,34 @@ def test_full_budget_recall_equals_dense(tiny_path):
 
 
 def test_without_recall_a_variant_is_its_base_until_something_is_recalled(tiny_path):
-    """Turn 1 of snapkv+recall (nothing cold yet to recall) gives snapkv's tokens and keeps its KV."""
+    """Turn 1 of snapkv+recall with ``recall_scope="earlier"`` (nothing an earlier turn evicted to
+    recall) gives snapkv's tokens and keeps its KV; with the default scope (``all``) the turn's own
+    evictions are candidates at once, so the same turn recalls some of them."""
     engine = _engine(tiny_path)
     t = _turns(2)[:1]
     base = _chat(engine, "a", t, MethodSpec("snapkv", budget=24))
-    var = _chat(engine, "b", t, MethodSpec("snapkv+recall", budget=24))
+    earlier = MethodSpec("snapkv+recall", budget=24, method_args={"recall_scope": "earlier"})
+    var = _chat(engine, "b", t, earlier)
     assert var == base
     assert torch.equal(engine.manager.positions("a"), engine.manager.positions("b"))
     assert engine.controller.recall.cold_tokens("b") > 0  # what snapkv evicted is kept
+    recalled = engine.controller.recall.recalled_tokens
+    _chat(engine, "c", t, MethodSpec("snapkv+recall", budget=24))
+    assert engine.controller.recall.recalled_tokens > recalled
+    assert not torch.equal(engine.manager.positions("a"), engine.manager.positions("c"))
+
+
+def test_recall_pool_ranks_a_record_with_the_key_its_query_attends():
+    """``_pooled``: a token's score is the best logit within ``recall_pool`` positions of it, in
+    position order across held and candidate tokens; invalid slots neither lend nor keep a score."""
+    logit = torch.tensor([[[0.0, 9.0, 1.0, 2.0, 3.0, 5.0]]])
+    pos = torch.tensor([[[40, 10, 11, 12, 30, -1]]])  # held 40, 10..12, candidate 30, an empty slot
+    valid = pos >= 0
+    assert torch.equal(_pooled(logit, pos, valid, 1), logit)
+    pooled = _pooled(logit, pos, valid, 3)
+    # position order: 10 (9), 11 (1), 12 (2), 30 (3), 40 (0); each takes the best of its two
+    # neighbours in that order (12: 11, 30), and the empty slot (5) lends nothing
+    assert pooled[0, 0, :5].tolist() == [3.0, 9.0, 9.0, 3.0, 3.0]
 
 
 def _exact_top(engine, sid, before: int) -> torch.Tensor:
@@ -279,6 +300,10 @@ def test_host_memory_bound_holds_and_drops_what_does_not_fit(tiny_path):
         ("snapkv+recall", {"recall_interval": "0"}, "recall_interval"),
         ("snapkv+recall", {"recall_pages": -1}, "recall_pages"),
         ("snapkv+recall", {"recall_window": 0}, "recall_window"),
+        ("snapkv+recall", {"recall_pool": 4}, "recall_pool"),
+        ("snapkv+recall", {"recall_pool": 0}, "recall_pool"),
+        ("snapkv+recall", {"recall_pool": 65}, "recall_pool"),
+        ("snapkv+recall", {"recall_scope": "later"}, "recall_scope"),
         ("snapkv+recall", {"cold_format": "int3"}, "cold_format"),
         ("snapkv+recall", {"recall_rerun": "maybe"}, "recall_rerun"),
         ("quest+recall", {}, "keeps every token"),

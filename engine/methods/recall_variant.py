@@ -3,11 +3,11 @@
 Rule: the base method runs unchanged and its device working set stays within its budget (pages
 are freed as before), but every token it evicts moves to the session's cold tier on the host
 (engine/cache/cold_store.py) with Quest-style key bounds per block of ``page_size`` cold tokens
-kept on the device. Once a turn's input is prefilled, the turn's last queries score every cold
-block that earlier turns evicted (this turn's evictions are the method's own decision and stand);
-the ``recall_pages`` best blocks per kv-head are fetched and ranked with the hot tokens by their
-exact attention logits, and the best of both fill the head's budget (the coldest hot tokens go to
-the cold tier in their place). The turn's last input token is then run again so its reply's
+kept on the device. Once a turn's input is prefilled (and the method has compressed it), the
+turn's last queries score every cold block; the ``recall_pages`` best blocks per kv-head are
+fetched and ranked with the hot tokens by their exact attention logits, max-pooled over
+``recall_pool`` neighbouring positions (a copied record's later tokens rank with the key the
+query attends to), and the best of both fill the head's budget (the others go to the cold tier). The turn's last input token is then run again so its reply's
 first token reads the recalled KV. With ``recall_interval`` set, decode steps recall the same
 way every that many tokens. Snapshots carry the cold tier, so a session resumes whole elsewhere.
 
@@ -22,6 +22,12 @@ Parameters (besides the base method's):
     recall_window = 32        the latest queries (per layer, of the turn's input or of decoding)
                               that score the cold blocks; the latest ``recall_window`` tokens a head
                               holds (at most half its budget) are never displaced
+    recall_pool = 9           a token ranks by the best exact logit within ``recall_pool`` positions of
+                              it (a max-pooling in position order, centred; 1: its own): a record's
+                              later tokens come back with the key the query attends to (odd, <= 63)
+    recall_scope = "all"      which cold blocks a turn's input may recall: ``all``, or ``earlier`` (only
+                              what earlier turns evicted: the method's choice for this turn stands,
+                              so a variant's first turn is its base method's, token for token)
     recall_interval = None    decode steps between recalls while a reply is decoded (None: recall
                               only when a turn's input is in); 0 is refused
     recall_rerun = True       run the turn's last input token again after a recall
@@ -38,12 +44,15 @@ from engine.lifecycle import MethodError, SparseMethod
 
 SUFFIX = "+recall"
 COLD_FORMATS = ("plain", "fp8")
+RECALL_SCOPES = ("all", "earlier")
 
 
 @dataclass
 class RecallParams:
     recall_pages: int = 0
     recall_window: int = 32
+    recall_pool: int = 9
+    recall_scope: str = "all"
     recall_interval: int | None = None
     recall_rerun: bool = True
     cold_format: str = "plain"
@@ -52,7 +61,7 @@ class RecallParams:
         def bad(msg: str) -> MethodError:
             return MethodError(f"{name}: {msg}")
 
-        for key in ("recall_pages", "recall_window"):
+        for key in ("recall_pages", "recall_window", "recall_pool"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(f"{key} must be an integer, not {value!r}")
@@ -60,6 +69,10 @@ class RecallParams:
             raise bad(f"recall_pages must be in [0, 65536] (0: a quarter of the budget), not {self.recall_pages}")
         if not 1 <= self.recall_window <= 4096:
             raise bad(f"recall_window must be in [1, 4096] queries, not {self.recall_window}")
+        if not (1 <= self.recall_pool <= 63 and self.recall_pool % 2 == 1):
+            raise bad(f"recall_pool must be an odd number of positions in [1, 63], not {self.recall_pool}")
+        if self.recall_scope not in RECALL_SCOPES:
+            raise bad(f"recall_scope must be one of {', '.join(RECALL_SCOPES)}, not {self.recall_scope!r}")
         i = self.recall_interval
         if i is not None and (isinstance(i, bool) or not isinstance(i, int) or not 1 <= i <= 1 << 20):
             raise bad(f"recall_interval must be a number of decode steps >= 1 (or unset), not {i!r}")

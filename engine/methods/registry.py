@@ -9,7 +9,7 @@ import sys
 from typing import TypeVar
 
 from engine.lifecycle import MethodError, MethodSpec, ModelShape, SparseMethod
-from engine.methods.recall_variant import SUFFIX, base_name, recall_variant
+from engine.methods.recall_variant import SUFFIX, RecallParams, base_name, recall_variant
 
 REGISTRY: dict[str, type[SparseMethod]] = {}
 """Name -> class. Nothing depends on its order (``describe`` and tests sort it)."""
@@ -61,5 +61,6 @@ def describe() -> str:
         f"  {'<method>' + SUFFIX:<20} an evicting method whose evictions stay recallable in host memory"
         " (engine/methods/recall_variant.py)"
     )
-    lines.append(f"  {'':<20}   --method-arg recall_pages=0 recall_window=32 recall_interval=None cold_format=plain")
+    recall = " ".join(f"{f.name}={f.default}" for f in dataclasses.fields(RecallParams))
+    lines.append(f"  {'':<20}   --method-arg {recall}")
     return "\n".join(lines)
