@@ -5,7 +5,7 @@ the model is loaded: the TLS files parse, every port (gRPC, ``--http-port``, ``-
 can be bound, and the store answers (or, with ``--allow-store-down``, the server starts with health
 NOT_SERVING until it does). Every port is bound before "serving" is printed. Whatever fails gives
 one line on stderr and exit code 2. With tensor parallelism, rank 0 of the launched engine runs
-``serve_engine`` (engine/distributed/launcher.py).
+``serve_engine`` (engine/tensor_parallel/launcher.py).
 """
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return setup
     config = setup[0]
     if config.tensor_parallel_size > 1:
-        # one process per rank; rank 0 serves, the others follow it (engine/distributed/launcher.py)
-        from engine.distributed.launcher import launch
+        # one process per rank; rank 0 serves, the others follow it (engine/tensor_parallel/launcher.py)
+        from engine.tensor_parallel.launcher import launch
 
         return launch(config, serve_engine, args)
     from engine.llm import LLMEngine
