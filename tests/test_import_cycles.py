@@ -138,12 +138,7 @@ def test_engine_layers_point_down():
 
 def test_nothing_in_the_engine_imports_the_packages_above_it():
     graph = import_graph(["engine"])
-    bad = [
-        f"{a} -> {b}"
-        for a, b in graph.edges()
-        for top in TOP_OF_ENGINE
-        if _under(b, top) and not _under(a, top)
-    ]
+    bad = [f"{a} -> {b}" for a, b in graph.edges() for top in TOP_OF_ENGINE if _under(b, top) and not _under(a, top)]
     assert not bad, "imports of the tensor-parallel front door from below it:\n" + "\n".join(sorted(bad))
 
 
