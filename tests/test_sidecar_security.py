@@ -300,9 +300,10 @@ def test_tenant_limits(server):
         stub.EndSession(pb.EndSessionRequest(session_id=sid), metadata=BETA)
     from sidecar.limits import TenantLimits, parse_overrides
 
-    assert parse_overrides(
-        ["batch:max_sessions_per_tenant=5,max_tokens_per_turn=9", "x:max_tokens_per_turn=2"]
-    ) == {"batch": {"max_sessions_per_tenant": 5, "max_tokens_per_turn": 9}, "x": {"max_tokens_per_turn": 2}}
+    assert parse_overrides(["batch:max_sessions_per_tenant=5,max_tokens_per_turn=9", "x:max_tokens_per_turn=2"]) == {
+        "batch": {"max_sessions_per_tenant": 5, "max_tokens_per_turn": 9},
+        "x": {"max_tokens_per_turn": 2},
+    }
     for bad in (["batch"], ["batch:max_sessions_per_tenant"], ["b:max_sessions_per_tenant=x"]):
         with pytest.raises(ValueError):
             parse_overrides(bad)
