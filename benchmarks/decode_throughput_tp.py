@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from benchmarks import decode_throughput as single  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.distributed.launcher import launch  # noqa: E402
+from engine.tensor_parallel.launcher import launch  # noqa: E402
 
 SHAPES = {
     "llama-3.1-70b": dict(

@@ -12,10 +12,12 @@ tenants use the session-id alphabet. Tokens are compared in constant time.
 from __future__ import annotations
 
 import hmac
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 from sidecar.session_ids import BadSessionId, check_id
+from sidecar.settings import setting
 
 
 class Unauthenticated(PermissionError):
@@ -78,3 +80,18 @@ class Authenticator:
         if found is None:
             raise Unauthenticated("unknown bearer token")
         return found
+
+
+@dataclass
+class AuthSettings:
+    """The auth settings of ``chainkv serve`` (``ServerOptions.auth`` is built from them)."""
+
+    auth_token: list[str] = setting(
+        [],
+        "accept 'authorization: Bearer TOKEN' as TENANT (repeatable); with none, auth is off",
+        metavar="TOKEN=TENANT",
+    )
+    auth_file: list[str] = setting([], "a file of 'TOKEN TENANT' lines", metavar="FILE")
+
+    def authenticator(self) -> Authenticator:
+        return Authenticator.from_args(self.auth_token, self.auth_file)

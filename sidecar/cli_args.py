@@ -1,8 +1,9 @@
 """The ``chainkv`` command line: its parser, every subcommand's flags (generate, serve, calibrate, demo).
 
-The engine flags every model-loading command shares come from ``sidecar.engine_args``; ``chainkv
-serve``'s server flags are also read from the environment and the YAML file (``sidecar.serve_config``,
-which finds them in this parser's ``serve`` subcommand).
+The engine flags every model-loading command shares come from ``sidecar.engine_args`` (one per
+EngineConfig field); ``chainkv serve``'s server flags come from ``ServerOptions`` (one per field,
+sidecar/options.py), which are also read from the environment and the YAML file
+(``sidecar.serve_config``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import argparse
 
 from sidecar.engine_args import add_engine_args
+from sidecar.options import ServerOptions
+from sidecar.settings import add_flags
 
 
 def _methods_epilog() -> str:
@@ -55,125 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=_methods_epilog(),
     )
-    g = srv.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
-    g.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed at start)")
-    g.add_argument(
-        "--store",
-        default=None,
-        metavar="URL",
-        help="session store: redis://host:port/db, rediss://..., file:///path (or a folder), or none "
-        "(default: the folder sessions/ under $CHAINKV_CACHE or ~/.cache/chainkv)",
-    )
-    g.add_argument(
-        "--allow-store-down",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="start even when the store does not answer: gRPC health NOT_SERVING (HTTP /health 503) "
-        "until it does; without it, an unreachable store stops the start (exit code 2)",
-    )
-    g.add_argument(
-        "--session-ttl-s",
-        "--store-ttl",
-        dest="session_ttl_s",
-        type=float,
-        default=7 * 24 * 3600.0,
-        metavar="SECONDS",
-        help="sessions unused this long expire: ended on the replica, and their stored "
-        "snapshots expire this long after their last write",
-    )
-    g.add_argument(
-        "--snapshot-kv",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="snapshots carry the KV (resume without recompute); --no-snapshot-kv keeps only the history",
-    )
-    g.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a Turn that does not set it")
-    g.add_argument("--max-message-bytes", type=int, default=4 * 2**20, help="largest gRPC message accepted or sent")
-    g.add_argument(
-        "--session-idle-s",
-        type=float,
-        default=3600.0,
-        help="free sessions idle this long whose snapshot is committed (they resume from the store)",
-    )
-    g.add_argument("--grace-s", type=float, default=30.0, help="shutdown: time for running turns to finish")
-    g.add_argument(
-        "--auth-token",
-        action="append",
-        default=[],
-        metavar="TOKEN=TENANT",
-        help="accept 'authorization: Bearer TOKEN' as TENANT (repeatable); with none, auth is off",
-    )
-    g.add_argument("--auth-file", action="append", default=[], metavar="FILE", help="a file of 'TOKEN TENANT' lines")
-    g.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS with this certificate chain")
-    g.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key")
-    g.add_argument("--tls-client-ca", default=None, metavar="PEM", help="require client certificates signed by this CA")
-    g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
-    g.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one object per line")
-    g.add_argument(
-        "--http-port",
-        type=int,
-        default=None,
-        metavar="PORT",
-        help="also serve the OpenAI-compatible HTTP API on this port (0 picks one); unset: no HTTP",
-    )
-    g.add_argument("--http-host", default=None, help="address of the HTTP port (default: --host)")
-    g.add_argument(
-        "--served-model-name", default=None, help="the model name HTTP clients send (default: the model folder's name)"
-    )
-    g.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        metavar="PORT",
-        help="serve Prometheus metrics on this port (0 picks one); unset: no metrics",
-    )
-    g.add_argument(
-        "--metrics-host",
-        default="127.0.0.1",
-        help="address of the metrics port (like --host: 0.0.0.0 for every interface)",
-    )
-    g.add_argument(
-        "--durability",
-        default="async",
-        choices=["async", "sync"],
-        help="async: a turn's completion is sent at once and its snapshot written behind it; sync: "
-        "only after its snapshot commits (no acknowledged turn is lost if this replica dies)",
-    )
-    g.add_argument(
-        "--snapshot-hmac-key-file",
-        default=None,
-        metavar="FILE",
-        help="sign stored sessions with HMAC-SHA256 and refuse any that fail it (one key per line; "
-        "the first signs, all verify)",
-    )
-    g.add_argument(
-        "--max-sessions-per-tenant",
-        type=int,
-        default=None,
-        metavar="N",
-        help="live sessions one tenant may hold here (more: RESOURCE_EXHAUSTED)",
-    )
-    g.add_argument(
-        "--max-tokens-per-turn",
-        type=int,
-        default=None,
-        metavar="N",
-        help="max_tokens and new prompt tokens one turn may take (more: INVALID_ARGUMENT)",
-    )
-    g.add_argument(
-        "--max-pinned-sessions-per-tenant",
-        type=int,
-        default=None,
-        metavar="N",
-        help="sessions one tenant may pin on the accelerator at once with agent hints (more: RESOURCE_EXHAUSTED)",
-    )
-    g.add_argument(
-        "--tenant-limit",
-        action="append",
-        default=[],
-        metavar="TENANT:KEY=N[,KEY=N]",
-        help="one tenant's own max_sessions_per_tenant / max_tokens_per_turn / max_pinned_sessions_per_tenant (repeatable)",
+    add_flags(
+        srv.add_argument_group("server (ServerOptions fields; env CHAINKV_<NAME>; YAML keys are the same names)"),
+        ServerOptions,
     )
     add_engine_args(srv)
 

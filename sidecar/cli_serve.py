@@ -1,72 +1,68 @@
-"""``chainkv serve``: the server's settings from the command line, then the engine served until SIGTERM/SIGINT.
+"""``chainkv serve``: the server's settings read and checked once, then the engine served until SIGTERM/SIGINT.
 
-The settings (engine config, ``ServerOptions``, session store, authenticator) are checked before
-the model is loaded: the TLS files parse, every port (gRPC, ``--http-port``, ``--metrics-port``)
-can be bound, and the store answers (or, with ``--allow-store-down``, the server starts with health
-NOT_SERVING until it does). Every port is bound before "serving" is printed. Whatever fails gives
-one line on stderr and exit code 2. With tensor parallelism, rank 0 of the launched engine runs
-``serve_engine`` (engine/distributed/launcher.py).
+The settings (``EngineConfig`` and ``ServerOptions`` from flags, environment and YAML, the auth
+tokens, the snapshot keys) are read and checked before the model is loaded: the TLS files parse,
+every port (gRPC, ``--http-port``, ``--metrics-port``) can be bound, and the store answers (or,
+with ``--allow-store-down``, the server starts with health NOT_SERVING until it does). Every port
+is bound before "serving" is printed. Whatever fails gives one line on stderr and exit code 2.
+With tensor parallelism, rank 0 of the launched engine (engine/tensor_parallel/launcher.py) is
+given the ``ServeSetup`` read here and serves it (``serve_rank0``); it reads nothing again.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from sidecar.cli_args import build_parser
-from sidecar.engine_args import engine_config_from_args
+if TYPE_CHECKING:  # pragma: no cover
+    from engine.config import EngineConfig
+    from sidecar.integrity import SnapshotKeys
+    from sidecar.options import ServerOptions
+    from sidecar.store import SessionStore
 
 
-def _serve_setup(args: argparse.Namespace):
-    """(config, options, store, auth) from the command line, or an exit code after printing why not."""
-    from sidecar.auth import Authenticator
-    from sidecar.integrity import load_keys
-    from sidecar.limits import TenantLimits
-    from sidecar.logs import setup_logging
-    from sidecar.protocol import Limits
-    from sidecar.serve_config import apply_settings
+@dataclass
+class ServeSetup:
+    """What ``chainkv serve`` read and checked. Plain values, so it crosses to tensor-parallel rank 0's
+    process as it is (the store does not: each process opens its own client of it)."""
+
+    config: EngineConfig
+    options: ServerOptions
+    hmac_keys: SnapshotKeys | None
+    """The snapshot HMAC keys, read from ``options.snapshot_hmac_key_file``."""
+
+    def open_store(self) -> SessionStore | None:
+        from sidecar.store import open_store
+
+        o = self.options
+        return open_store(o.store, ttl_s=o.session_ttl_s, hmac_keys=self.hmac_keys)
+
+
+def prepare_serve(args: argparse.Namespace) -> tuple[ServeSetup, SessionStore | None] | int:
+    """The setup and the opened store of ``chainkv serve ARGS``, or an exit code after printing why not."""
     from sidecar.endpoint import check_tls_files
+    from sidecar.integrity import load_keys
+    from sidecar.logs import setup_logging
     from sidecar.ports import check_free
-    from sidecar.server import ServerOptions
-    from sidecar.store import StoreError, open_store
+    from sidecar.serve_config import load_serve_settings
+    from sidecar.store import StoreError
 
     try:
-        apply_settings(args, build_parser())
-        setup_logging(args.log_level, args.log_format)
-        config = engine_config_from_args(args)
-        auth = Authenticator.from_args(args.auth_token, args.auth_file)
-        options = ServerOptions(
-            host=args.host,
-            port=args.port,
-            max_message_bytes=args.max_message_bytes,
-            limits=Limits(default_max_tokens=args.default_max_tokens),
-            snapshot_kv=args.snapshot_kv,
-            session_idle_s=args.session_idle_s,
-            session_ttl_s=args.session_ttl_s,
-            grace_s=args.grace_s,
-            auth=auth,
-            durability=args.durability,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            tls_client_ca=args.tls_client_ca,
-            allow_store_down=args.allow_store_down,
-            tenant_limits=TenantLimits(
-                args.max_sessions_per_tenant,
-                args.max_tokens_per_turn,
-                max_pinned_sessions_per_tenant=args.max_pinned_sessions_per_tenant,
-                overrides=TenantLimits.parse_overrides(args.tenant_limit),
-            ),
-        )
+        config, options = load_serve_settings(args)
+        setup_logging(options.log_level, options.log_format)
         check_tls_files(options)
         check_free(
             [
-                ("--port", args.host, args.port),
-                ("--http-port", args.http_host or args.host, args.http_port),
-                ("--metrics-port", args.metrics_host, args.metrics_port),
+                ("--port", options.host, options.port),
+                ("--http-port", options.http_host or options.host, options.http_port),
+                ("--metrics-port", options.metrics_host, options.metrics_port),
             ]
         )
-        store = open_store(args.store, ttl_s=args.session_ttl_s, hmac_keys=load_keys(args.snapshot_hmac_key_file))
-        if store is not None and not args.allow_store_down:
+        setup = ServeSetup(config, options, load_keys(options.snapshot_hmac_key_file))
+        store = setup.open_store()
+        if store is not None and not options.allow_store_down:
             try:
                 store.ping()
             except StoreError as e:
@@ -77,7 +73,7 @@ def _serve_setup(args: argparse.Namespace):
     except (ValueError, OSError, StoreError) as e:
         print(f"chainkv: {one_line(e)}", file=sys.stderr)
         return 2
-    return config, options, store, auth
+    return setup, store
 
 
 def one_line(e: BaseException) -> str:
@@ -91,22 +87,33 @@ def _startup_failed(e: BaseException) -> SystemExit:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    setup = _serve_setup(args)
-    if isinstance(setup, int):
-        return setup
-    config = setup[0]
-    if config.tensor_parallel_size > 1:
-        # one process per rank; rank 0 serves, the others follow it (engine/distributed/launcher.py)
-        from engine.distributed.launcher import launch
+    prepared = prepare_serve(args)
+    if isinstance(prepared, int):
+        return prepared
+    setup, store = prepared
+    if setup.config.tensor_parallel_size > 1:
+        # one process per rank; rank 0 serves, the others follow it (engine/tensor_parallel/launcher.py)
+        from engine.tensor_parallel.launcher import launch
 
-        return launch(config, serve_engine, args)
+        if store is not None:
+            store.close()  # rank 0 opens its own client
+        return launch(setup.config, serve_rank0, setup)
     from engine.llm import LLMEngine
 
-    serve_engine(LLMEngine(config), args, setup)
+    serve_engine(LLMEngine(setup.config), setup, store)
     return 0
 
 
-def serve_engine(engine, args: argparse.Namespace, setup=None) -> None:
+def serve_rank0(engine, setup: ServeSetup) -> None:
+    """Tensor-parallel rank 0, in its own process: the settings the parent read and checked, and this
+    process's own client of the store the parent reached (a connection does not cross processes)."""
+    from sidecar.logs import setup_logging
+
+    setup_logging(setup.options.log_level, setup.options.log_format)
+    serve_engine(engine, setup, setup.open_store())
+
+
+def serve_engine(engine, setup: ServeSetup, store: SessionStore | None) -> None:
     """Serve ``engine`` (an LLMEngine, or rank 0's tensor-parallel front door) until SIGTERM/SIGINT."""
     import asyncio
     import signal
@@ -116,22 +123,18 @@ def serve_engine(engine, args: argparse.Namespace, setup=None) -> None:
     from sidecar.server import ServerHooks, SidecarServer
     from sidecar.store import StoreError
 
-    if setup is None:
-        setup = _serve_setup(args)
-        if isinstance(setup, int):
-            raise SystemExit(setup)
-    config, options, store, auth = setup
+    config, options = setup.config, setup.options
     hooks = ServerHooks()
     metrics_port = None
-    if args.metrics_port is not None:
+    if options.metrics_port is not None:
         from sidecar.metrics import MetricsHooks
 
         hooks = MetricsHooks(engine)
         try:
-            metrics_port = hooks.serve(args.metrics_port, args.metrics_host)
+            metrics_port = hooks.serve(options.metrics_port, options.metrics_host)
         except OSError as e:
             raise _startup_failed(
-                PortUnavailable(f"--metrics-port: cannot listen on {args.metrics_host}:{args.metrics_port}: {e}")
+                PortUnavailable(f"--metrics-port: cannot listen on {options.metrics_host}:{options.metrics_port}: {e}")
             ) from None
 
     async def main() -> None:
@@ -139,13 +142,15 @@ def serve_engine(engine, args: argparse.Namespace, setup=None) -> None:
         http = None
         try:
             port = await server.start()
-            if args.http_port is not None:
+            if options.http_port is not None:
                 from sidecar.http.app import HttpFront, HttpOptions
 
                 http = HttpFront(
                     server,
                     HttpOptions(
-                        host=args.http_host or args.host, port=args.http_port, served_model_name=args.served_model_name
+                        host=options.http_host or options.host,
+                        port=options.http_port,
+                        served_model_name=options.served_model_name,
                     ),
                 )
                 http_port = await http.start()
@@ -154,18 +159,18 @@ def serve_engine(engine, args: argparse.Namespace, setup=None) -> None:
             raise _startup_failed(e) from None
         # every port is bound: announce them (metrics first, HTTP last: what scripts wait for)
         if metrics_port is not None:
-            print(f"chainkv: metrics on http://{args.metrics_host}:{metrics_port}/metrics", flush=True)
+            print(f"chainkv: metrics on http://{options.metrics_host}:{metrics_port}/metrics", flush=True)
         tp = f", tensor parallel {config.tensor_parallel_size}" if config.tensor_parallel_size > 1 else ""
         down = "" if server.serving else "; the store does not answer: health NOT_SERVING until it does"
         print(
-            f"chainkv: serving chainkv.v1.Sidecar on {args.host}:{port} (model {engine.model_dir.name}, "
+            f"chainkv: serving chainkv.v1.Sidecar on {options.host}:{port} (model {engine.model_dir.name}, "
             f"method {config.method}, device {engine.device}{tp}, store {store.describe() if store else 'none'}, "
-            f"auth {'on' if auth.enabled else 'off'}, snapshot hmac {'on' if store and store.hmac_keys else 'off'}{down})",
+            f"auth {'on' if options.auth.enabled else 'off'}, snapshot hmac {'on' if store and store.hmac_keys else 'off'}{down})",
             flush=True,
         )
         if http is not None:
             print(
-                f"chainkv: serving the OpenAI-compatible HTTP API on http://{args.http_host or args.host}:{http_port}/v1 "
+                f"chainkv: serving the OpenAI-compatible HTTP API on http://{options.http_host or options.host}:{http_port}/v1 "
                 f"(model {http.app.state.backend.model_name})",
                 flush=True,
             )

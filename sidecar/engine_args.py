@@ -54,10 +54,12 @@ def _default_text(f: dataclasses.Field) -> str:
     return str(default).replace("%", "%%")
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+def engine_config_from_args(args: argparse.Namespace, yaml_values: dict | None = None) -> EngineConfig:
+    """The flags over the ``--config`` YAML; ``yaml_values``: that YAML already read, less its server
+    settings (``chainkv serve``, sidecar/serve_config.py)."""
     values: dict = {}
-    if getattr(args, "config_values", None) is not None:  # the YAML less its serve settings (serve_config.py)
-        values.update(EngineConfig.from_dict(args.config_values).to_dict())
+    if yaml_values is not None:
+        values.update(EngineConfig.from_dict(yaml_values).to_dict())
     elif getattr(args, "config", None):
         values.update(EngineConfig.from_yaml(args.config).to_dict())
     for f in dataclasses.fields(EngineConfig):

@@ -31,7 +31,6 @@ import msgpack
 from sidecar.store import Checksum
 from sidecar.store_errors import SnapshotRejected
 
-ENV_KEY_FILE = "CHAINKV_SNAPSHOT_HMAC_KEY_FILE"
 MIN_KEY_BYTES = 16
 MAC_FIELD = "mac"
 
@@ -117,6 +116,5 @@ class HmacChecksum(Checksum):
 
 
 def load_keys(path: str | None) -> SnapshotKeys | None:
-    """The keys from ``path``, else from ``$CHAINKV_SNAPSHOT_HMAC_KEY_FILE``; None when neither is set."""
-    path = path or os.environ.get(ENV_KEY_FILE) or None
+    """The keys from ``path`` (``ServerOptions.snapshot_hmac_key_file``); None when it is not set."""
     return SnapshotKeys.from_file(path) if path else None

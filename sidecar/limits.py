@@ -15,8 +15,10 @@ tenant its own values (``--tenant-limit batch:max_sessions_per_tenant=512,max_to
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
+
+from sidecar.settings import setting
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.session_record import Session
@@ -33,14 +35,42 @@ class TurnTooLarge(ValueError):
 LIMIT_KEYS = ("max_sessions_per_tenant", "max_tokens_per_turn", "max_pinned_sessions_per_tenant")
 
 
+def parse_overrides(items: Iterable[str]) -> dict[str, dict[str, int]]:
+    """``TENANT:KEY=N[,KEY=N]`` items (``--tenant-limit``) -> overrides."""
+    out: dict[str, dict[str, int]] = {}
+    for item in items:
+        tenant, sep, rest = item.partition(":")
+        pairs = [p.partition("=") for p in rest.split(",") if p.strip()]
+        if not sep or not pairs or any(not eq for _, eq, _ in pairs):
+            raise ValueError(f"--tenant-limit expects TENANT:KEY=N[,KEY=N], got {item!r}")
+        try:
+            out.setdefault(tenant.strip(), {}).update({k.strip(): int(v) for k, _, v in pairs})
+        except ValueError:
+            raise ValueError(f"--tenant-limit {item!r}: values must be integers") from None
+    return out
+
+
 @dataclass
 class TenantLimits:
-    max_sessions_per_tenant: int | None = None
-    max_tokens_per_turn: int | None = None
-    max_pinned_sessions_per_tenant: int | None = None
-    """Sessions of one tenant whose agent hints pin them on the accelerator at once (a pin past it:
-    RESOURCE_EXHAUSTED); None: no per-tenant bound (the engine's max_pinned_fraction still holds)."""
-    overrides: dict[str, dict[str, int]] = field(default_factory=dict)
+    max_sessions_per_tenant: int | None = setting(
+        None, "live sessions one tenant may hold here (more: RESOURCE_EXHAUSTED)", metavar="N"
+    )
+    max_tokens_per_turn: int | None = setting(
+        None, "max_tokens and new prompt tokens one turn may take (more: INVALID_ARGUMENT)", metavar="N"
+    )
+    max_pinned_sessions_per_tenant: int | None = setting(
+        None,
+        "sessions one tenant may pin on the accelerator at once with agent hints (more: RESOURCE_EXHAUSTED)",
+        metavar="N",
+    )
+    """None: no per-tenant bound on pins (the engine's max_pinned_fraction still holds)."""
+    overrides: dict[str, dict[str, int]] = setting(
+        {},
+        "one tenant's own max_sessions_per_tenant / max_tokens_per_turn / max_pinned_sessions_per_tenant (repeatable)",
+        metavar="TENANT:KEY=N[,KEY=N]",
+        name="tenant_limit",
+        parse=parse_overrides,
+    )
     """tenant -> its own values for some of LIMIT_KEYS."""
 
     def __post_init__(self):
@@ -50,21 +80,6 @@ class TenantLimits:
                     raise ValueError(f"unknown tenant limit {name!r}; use {', '.join(LIMIT_KEYS)}")
                 if v is not None and v < 1:
                     raise ValueError(f"{name} must be at least 1 (or unset), not {v}")
-
-    @staticmethod
-    def parse_overrides(items: Iterable[str]) -> dict[str, dict[str, int]]:
-        """``TENANT:KEY=N[,KEY=N]`` items (``--tenant-limit``) -> overrides."""
-        out: dict[str, dict[str, int]] = {}
-        for item in items:
-            tenant, sep, rest = item.partition(":")
-            pairs = [p.partition("=") for p in rest.split(",") if p.strip()]
-            if not sep or not pairs or any(not eq for _, eq, _ in pairs):
-                raise ValueError(f"--tenant-limit expects TENANT:KEY=N[,KEY=N], got {item!r}")
-            try:
-                out.setdefault(tenant.strip(), {}).update({k.strip(): int(v) for k, _, v in pairs})
-            except ValueError:
-                raise ValueError(f"--tenant-limit {item!r}: values must be integers") from None
-        return out
 
     def limit(self, tenant: str, name: str) -> int | None:
         own = self.overrides.get(tenant, {})

@@ -24,6 +24,7 @@ from sidecar.engine_results import PruneRecord, SessionInfo
 from sidecar.session_ids import BadSessionId, check_id
 from sidecar.session_record import Session
 from sidecar.limits import TurnTooLarge
+from sidecar.settings import setting
 from sidecar.validation import JsonTooDeep, check_turn_bytes, loads_bounded
 from sidecar.structured import OutputSpec, OutputSpecError
 
@@ -50,15 +51,18 @@ class InvalidRequest(ValueError):
 
 @dataclass
 class Limits:
-    max_messages: int = 256
-    """Most messages in one Turn."""
-    max_tools: int = 128
-    max_stop: int = 16
-    max_turn_bytes: int | None = None
-    """Most UTF-8 bytes of a turn's messages and tools, refused before tokenizing (None: the server
-    sets BYTES_PER_TOKEN bytes per token of the model's context)."""
-    default_max_tokens: int = 256
-    """max_tokens when a Turn does not set it."""
+    """What one request may hold (server settings: ``--max-messages``, ..., sidecar/options.py)."""
+
+    max_messages: int = setting(256, "most messages in one Turn (more: INVALID_ARGUMENT)")
+    max_tools: int = setting(128, "most tools in one Turn (more: INVALID_ARGUMENT)")
+    max_stop: int = setting(16, "most stop strings in one Turn (more: INVALID_ARGUMENT)")
+    max_turn_bytes: int | None = setting(
+        None,
+        "most UTF-8 bytes of a turn's messages and tools, refused before tokenizing (unset: "
+        "BYTES_PER_TOKEN, sidecar/validation.py, bytes per token of the model's context)",
+        metavar="BYTES",
+    )
+    default_max_tokens: int = setting(256, "max_tokens of a Turn that does not set it")
 
 
 @dataclass

@@ -101,12 +101,9 @@ def test_native_sidecar_probes_resources_and_security(rendered):
 def test_configured_settings_are_what_chainkv_reads(rendered, tmp_path):
     """The ConfigMap's chainkv.yaml goes through the same loader as ``chainkv serve --config``
     (unknown keys fail), with the env the Deployment sets pointing at the Secret's files."""
-    from sidecar.auth import Authenticator
     from sidecar.cli import build_parser
-    from sidecar.engine_args import engine_config_from_args
     from sidecar.integrity import SnapshotKeys
-    from sidecar.limits import TenantLimits
-    from sidecar.serve_config import apply_settings
+    from sidecar.serve_config import load_serve_settings
 
     overlay, objs = rendered
     config = tmp_path / "chainkv.yaml"
@@ -122,19 +119,15 @@ def test_configured_settings_are_what_chainkv_reads(rendered, tmp_path):
         for e in sidecar["env"]
         if e["name"].startswith("CHAINKV_")
     }
-    parser = build_parser()
-    args = parser.parse_args(["serve", "--config", str(config)])
-    apply_settings(args, parser, env)
-    engine = engine_config_from_args(args)
-    assert args.host == "0.0.0.0" and args.port == 50051 and args.metrics_port == 9400 and args.log_format == "json"
-    assert args.store.startswith("redis://chainkv-redis:6379")
+    engine, options = load_serve_settings(build_parser().parse_args(["serve", "--config", str(config)]), env)
+    o = options
+    assert o.host == "0.0.0.0" and o.port == 50051 and o.metrics_port == 9400 and o.log_format == "json"
+    assert o.store.startswith("redis://chainkv-redis:6379")
     assert engine.device == ("cuda" if overlay == "gpu" else "cpu")
-    TenantLimits(args.max_sessions_per_tenant, args.max_tokens_per_turn)
-    auth = Authenticator.from_args(args.auth_token, args.auth_file)
-    assert auth.tenant([("authorization", f"Bearer {secret['agent-token']}")]) == "agent"
-    assert SnapshotKeys.from_file(args.snapshot_hmac_key_file).keys
+    assert o.auth.tenant([("authorization", f"Bearer {secret['agent-token']}")]) == "agent"
+    assert SnapshotKeys.from_file(o.snapshot_hmac_key_file).keys
     ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
-    assert ports == {"grpc": args.port, "metrics": args.metrics_port}
+    assert ports == {"grpc": o.port, "metrics": o.metrics_port}
 
 
 def test_dockerfile_runs_as_a_non_root_user_on_a_cuda_base():
@@ -178,7 +171,7 @@ def test_pool_manifests_pass_strict_validation(pool):
 
 def test_pool_replicas_are_probed_over_grpc_health_and_run_their_config(pool, tmp_path):
     from sidecar.cli import build_parser
-    from sidecar.serve_config import apply_settings
+    from sidecar.serve_config import load_serve_settings
 
     deployment = pool[("Deployment", "chainkv")]
     assert deployment["spec"]["replicas"] >= 2
@@ -189,13 +182,11 @@ def test_pool_replicas_are_probed_over_grpc_health_and_run_their_config(pool, tm
     assert pod["enableServiceLinks"] is False and pod["securityContext"]["runAsNonRoot"]
     config = tmp_path / "chainkv.yaml"
     config.write_text(pool[("ConfigMap", "chainkv-config")]["data"]["chainkv.yaml"])
-    parser = build_parser()
-    args = parser.parse_args(["serve", "--config", str(config)])
-    apply_settings(args, parser, {})
-    assert args.durability == "sync"  # a replica that dies loses no acknowledged turn
-    assert args.store.startswith("redis://chainkv-redis:6379")
+    _, options = load_serve_settings(build_parser().parse_args(["serve", "--config", str(config)]), {})
+    assert options.durability == "sync"  # a replica that dies loses no acknowledged turn
+    assert options.store.startswith("redis://chainkv-redis:6379")
     ports = {p["name"]: p["containerPort"] for p in replica["ports"]}
-    assert ports == {"grpc": args.port, "http": args.http_port, "metrics": args.metrics_port}
+    assert ports == {"grpc": options.port, "http": options.http_port, "metrics": options.metrics_port}
     # the headless Service HAProxy resolves lists the replicas' gRPC and HTTP ports
     svc = pool[("Service", "chainkv-replicas")]["spec"]
     assert svc["clusterIP"] == "None" and svc["selector"] == deployment["spec"]["selector"]["matchLabels"]

@@ -102,26 +102,55 @@ LAYER_RULES = {
     "engine.cache": ("engine.cache",),
     "engine.lifecycle": ("engine.cache",),
     "engine.methods": ("engine.methods", "engine.lifecycle", "engine.cache", "engine.distributed.group"),
+    "engine.distributed": ("engine.distributed", "engine.model", "engine.cache"),
     "engine.distributed.group": (),
 }
 """A module under a prefix may import only modules under the listed prefixes (docs/architecture.md).
 ``engine.distributed.group`` (the tensor-parallel collectives) is a leaf: it imports nothing of the
-engine, so the methods whose rule spans a layer's heads (tova, adakv) may call it."""
+engine, so the methods whose rule spans a layer's heads (tova, adakv) may call it. The rest of
+``engine.distributed`` (sharding, sharded layers, capacity, snapshot merging) sits below the model
+and the cache: the tensor-parallel front door that builds engines (``engine.tensor_parallel``) is
+not part of it."""
+
+TOP_OF_ENGINE = ("engine.tensor_parallel",)
+"""Packages nothing else in ``engine/`` imports: they build and wrap the engine (the tensor-parallel
+front door runs an LLMEngine on every rank)."""
 
 
 def _under(module: str, prefix: str) -> bool:
     return module == prefix or module.startswith(prefix + ".")
 
 
-def test_engine_layers_point_down():
-    graph = import_graph(["engine"])
-    bad = [
+def layer_violations(graph: nx.DiGraph) -> list[str]:
+    """``a -> b`` for every import against LAYER_RULES."""
+    return sorted(
         f"{a} -> {b}"
         for a, b in graph.edges()
         for prefix, allowed in LAYER_RULES.items()
         if _under(a, prefix) and not any(_under(b, p) for p in allowed)
-    ]
-    assert not bad, "imports against the layer rules:\n" + "\n".join(sorted(bad))
+    )
+
+
+def test_engine_layers_point_down():
+    bad = layer_violations(import_graph(["engine"]))
+    assert not bad, "imports against the layer rules:\n" + "\n".join(bad)
+
+
+def test_nothing_in_the_engine_imports_the_packages_above_it():
+    graph = import_graph(["engine"])
+    bad = [f"{a} -> {b}" for a, b in graph.edges() for top in TOP_OF_ENGINE if _under(b, top) and not _under(a, top)]
+    assert not bad, "imports of the tensor-parallel front door from below it:\n" + "\n".join(sorted(bad))
+
+
+def test_the_layer_rule_catches_a_leaf_importing_the_front_door(tmp_path):
+    """The rule can fail: an ``engine.distributed`` module that imports ``engine.llm`` (as the
+    tensor-parallel driver did when it lived there) is reported."""
+    for folder in ("engine", "engine/distributed"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "engine" / "llm.py").write_text("")
+    (tmp_path / "engine" / "distributed" / "driver.py").write_text("def f():\n    from engine.llm import LLMEngine\n")
+    assert layer_violations(import_graph(["engine"], tmp_path)) == ["engine.distributed.driver -> engine.llm"]
 
 
 def test_engine_never_imports_the_sidecar():

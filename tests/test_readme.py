@@ -75,10 +75,11 @@ def test_every_chainkv_command_in_the_readme_parses(argv, capsys):
 def test_the_snippets_talk_to_the_server_the_readme_starts():
     """The first command starts one server with both fronts; every address a Python block uses is one of them."""
     from sidecar.cli_args import build_parser
+    from sidecar.serve_config import load_serve_settings
 
     first = next(argv for _, argv in chainkv_commands() if argv[:1] == ["serve"])
-    args = build_parser().parse_args(first)
-    assert f"{args.host}:{args.port}" == GRPC and f"{args.http_host or args.host}:{args.http_port}" == HTTP
+    _, o = load_serve_settings(build_parser().parse_args(first), environ={})
+    assert f"{o.host}:{o.port}" == GRPC and f"{o.http_host or o.host}:{o.http_port}" == HTTP
     blocks = readme_blocks("python")
     used = {a for b in blocks for a in re.findall(r"\b\d+\.\d+\.\d+\.\d+:\d+", b.code)}
     assert used == {GRPC, HTTP}

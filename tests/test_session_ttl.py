@@ -91,15 +91,13 @@ def test_a_bad_ttl_is_refused(bad):
 
 def test_the_cli_and_yaml_name(tmp_path):
     from sidecar.cli import build_parser
-    from sidecar.serve_config import apply_settings
+    from sidecar.serve_config import load_serve_settings
 
     parser = build_parser()
     assert parser.parse_args(["serve", "--store-ttl", "5"]).session_ttl_s == 5.0
     cfg = tmp_path / "c.yaml"
     cfg.write_text("session_ttl_s: 42\n")
-    args = parser.parse_args(["serve", "--config", str(cfg)])
-    apply_settings(args, parser, environ={})
-    assert args.session_ttl_s == 42.0
-    args = parser.parse_args(["serve"])
-    apply_settings(args, parser, environ={"CHAINKV_SESSION_TTL_S": "7"})
-    assert args.session_ttl_s == 7.0
+    _, options = load_serve_settings(parser.parse_args(["serve", "--config", str(cfg)]), environ={})
+    assert options.session_ttl_s == 42.0
+    _, options = load_serve_settings(parser.parse_args(["serve"]), environ={"CHAINKV_SESSION_TTL_S": "7"})
+    assert options.session_ttl_s == 7.0

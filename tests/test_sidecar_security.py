@@ -298,14 +298,15 @@ def test_tenant_limits(server):
         stub.EndSession(pb.EndSessionRequest(session_id=sid), metadata=ALPHA)
     for sid in ("b0", "b1"):
         stub.EndSession(pb.EndSessionRequest(session_id=sid), metadata=BETA)
-    from sidecar.limits import TenantLimits
+    from sidecar.limits import TenantLimits, parse_overrides
 
-    assert TenantLimits.parse_overrides(
-        ["batch:max_sessions_per_tenant=5,max_tokens_per_turn=9", "x:max_tokens_per_turn=2"]
-    ) == {"batch": {"max_sessions_per_tenant": 5, "max_tokens_per_turn": 9}, "x": {"max_tokens_per_turn": 2}}
+    assert parse_overrides(["batch:max_sessions_per_tenant=5,max_tokens_per_turn=9", "x:max_tokens_per_turn=2"]) == {
+        "batch": {"max_sessions_per_tenant": 5, "max_tokens_per_turn": 9},
+        "x": {"max_tokens_per_turn": 2},
+    }
     for bad in (["batch"], ["batch:max_sessions_per_tenant"], ["b:max_sessions_per_tenant=x"]):
         with pytest.raises(ValueError):
-            TenantLimits.parse_overrides(bad)
+            parse_overrides(bad)
     with pytest.raises(ValueError, match="unknown tenant limit"):
         TenantLimits(overrides={"b": {"max_session": 1}})
 
@@ -361,22 +362,23 @@ def test_json_logs_carry_the_request_context():
 
 def test_serve_settings_from_flags_env_and_yaml(tmp_path):
     from sidecar.cli import build_parser
-    from sidecar.engine_args import engine_config_from_args
-    from sidecar.serve_config import apply_settings
+    from sidecar.serve_config import load_serve_settings
 
+    tokens = tmp_path / "tokens"
+    tokens.write_text("t0k acme\n")
     cfg = tmp_path / "chainkv.yaml"
     cfg.write_text(
         "method: streaming_llm\nbudget: 64\nsnapshot_hmac_key_file: /etc/hmac\nmax_sessions_per_tenant: 3\n"
-        "snapshot_kv: false\nauth_file: [/etc/tokens]\nmetrics_port: 9400\n"
+        f"snapshot_kv: false\nauth_file: [{tokens}]\nmetrics_port: 9400\n"
     )
     parser = build_parser()
     args = parser.parse_args(["serve", "--config", str(cfg), "--metrics-port", "9500"])
-    apply_settings(args, parser, {"CHAINKV_MAX_SESSIONS_PER_TENANT": "5"})
-    assert (
-        args.snapshot_hmac_key_file == "/etc/hmac" and args.snapshot_kv is False and args.auth_file == ["/etc/tokens"]
-    )
-    assert args.max_sessions_per_tenant == 5 and args.metrics_port == 9500  # env over YAML, flags over both
-    assert engine_config_from_args(args).budget == 64
-    args = parser.parse_args(["serve"])
-    apply_settings(args, parser, {"CHAINKV_SNAPSHOT_HMAC_KEY_FILE": "/run/hmac", "CHAINKV_SNAPSHOT_KV": "off"})
-    assert args.snapshot_hmac_key_file == "/run/hmac" and args.snapshot_kv is False
+    config, options = load_serve_settings(args, {"CHAINKV_MAX_SESSIONS_PER_TENANT": "5"})
+    assert options.snapshot_hmac_key_file == "/etc/hmac" and options.snapshot_kv is False
+    assert options.auth.tenant([("authorization", "Bearer t0k")]) == "acme"  # the token file of the YAML
+    # env over YAML, flags over both
+    assert options.tenant_limits.max_sessions_per_tenant == 5 and options.metrics_port == 9500
+    assert config.budget == 64
+    env = {"CHAINKV_SNAPSHOT_HMAC_KEY_FILE": "/run/hmac", "CHAINKV_SNAPSHOT_KV": "off"}
+    _, options = load_serve_settings(parser.parse_args(["serve"]), env)
+    assert options.snapshot_hmac_key_file == "/run/hmac" and options.snapshot_kv is False

@@ -16,7 +16,7 @@ import torch
 
 from engine.cache.snapshot import SessionSnapshot, SnapshotError
 from engine.config import ConfigError, EngineConfig
-from engine.distributed.launcher import launch
+from engine.tensor_parallel.launcher import launch
 from engine.distributed.sharding import ShardingError, ShardLayout
 from engine.lifecycle import MethodSpec
 from engine.llm import LLMEngine, RequestError

@@ -1,7 +1,7 @@
 """Scheduling in lockstep: page accounting every rank agrees on, and a check of each step's plan.
 
 Every rank runs the same scheduler and chain cache over the same requests (rank 0 broadcasts every
-engine call, engine/distributed/driver.py), so their decisions agree as long as the numbers they
+engine call, engine/tensor_parallel/driver.py), so their decisions agree as long as the numbers they
 decide on agree. Two of those numbers are per rank: a rank's pool holds only its own kv-heads,
 and methods with per-head budgets (adakv, duo_attention, ...) leave different heads, hence
 different ranks, with different page counts. The scheduler and the chain cache therefore read

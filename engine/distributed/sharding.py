@@ -122,7 +122,7 @@ class ShardLayout:
 
 def shard_layout(config, mc: ModelConfig) -> ShardLayout | None:
     """This process's layout for an engine of ``config`` (None at tensor_parallel_size 1). The
-    process must already be in the TP group (engine/distributed/launcher.py puts it there)."""
+    process must already be in the TP group (engine/tensor_parallel/launcher.py puts it there)."""
     from engine.distributed import group
 
     tp = config.tensor_parallel_size
@@ -131,6 +131,6 @@ def shard_layout(config, mc: ModelConfig) -> ShardLayout | None:
     if group.size() != tp:
         raise group.TensorParallelError(
             f"tensor_parallel_size is {tp} but this process is in a group of {group.size()}: start the engine through "
-            "engine.distributed.launcher (or `chainkv serve`), which runs one process per rank"
+            "engine.tensor_parallel.launcher (or `chainkv serve`), which runs one process per rank"
         )
     return ShardLayout.of(mc, tp, group.rank())

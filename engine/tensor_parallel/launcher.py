@@ -3,7 +3,7 @@
 :func:`launch` spawns ``tensor_parallel_size`` processes (torch.multiprocessing, spawn), each in
 the torch.distributed group (gloo on the CPU, NCCL on GPUs, rank r on GPU r). Every rank builds
 its shard of the engine; rank 0 runs ``target(engine, *args)`` with the replicated front door
-(:class:`~engine.distributed.driver.TensorParallelEngine`), the others follow it. The parent
+(:class:`~engine.tensor_parallel.driver.TensorParallelEngine`), the others follow it. The parent
 watches its children: when rank 0 returns, the followers are released and joined; when any rank
 exits with an error (or is killed), the remaining ranks are terminated and :func:`launch`
 returns that rank's non-zero exit code, so a supervisor (Kubernetes) restarts the whole server
@@ -39,7 +39,7 @@ def run_rank(
     """The body of one rank's process."""
     from engine.config import EngineConfig
     from engine.distributed import group
-    from engine.distributed.driver import TensorParallelEngine, follow
+    from engine.tensor_parallel.driver import TensorParallelEngine, follow
     from engine.llm import LLMEngine
 
     os.environ.update(
