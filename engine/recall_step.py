@@ -33,6 +33,7 @@ class RecallStep:
     @torch.inference_mode()  # like the pass itself (the logits it replaces are inference tensors)
     def after_pass(self, batch, result, windows: dict) -> None:
         """Recall for the sequences of the pass just run (``result.logits`` rows may be replaced)."""
+        self.controller.recall.poll()  # copies to the cold tier that have run land in their stores
         for seq, _ in batch.prefill:
             if seq.num_cached == seq.num_tokens and not seq.finished:
                 settings = self.controller.recall_settings(seq.seq_id)
