@@ -90,6 +90,9 @@ class RecallTier:
         self.last_turn_traffic: dict[SeqId, RecallTraffic] = {}
         """Each sequence's last finished turn."""
         self.captured_tokens = 0
+        """Evicted tokens stored by captures."""
+        self.returned_tokens = 0
+        """Tokens a recall sent (back) to the host: displaced hot ones, candidates not kept."""
         self.dropped_tokens = 0
         """Evicted tokens destroyed because the tier was at ``host_limit``."""
         manager.evict_sink = self
@@ -330,7 +333,7 @@ class RecallTier:
         rows = (li * H + hi).cpu()
         if rows.numel() == 0:
             return
-        self._append(seq_id, rows, k[li, hi, src], v[li, hi, src], pos[li, hi, src])
+        self.returned_tokens += self._append(seq_id, rows, k[li, hi, src], v[li, hi, src], pos[li, hi, src])
 
     # --- snapshot --------------------------------------------------------------------------------
     def state(self, seq_id: SeqId) -> dict[str, torch.Tensor]:
