@@ -168,14 +168,15 @@ def _chat(engine, sid, turns, spec):
 
 
 @pytest.mark.parametrize(
-    "method, args",
+    "method, args, polls",  # polls: copies that run within a few steps, never by themselves, at once
     [
-        ("snapkv+recall", {}),
-        ("streaming_llm+recall", {"recall_interval": 2, "cold_format": "fp8"}),
-        ("h2o+recall", {"recall_interval": 3}),
+        ("snapkv+recall", {}, 3),
+        pytest.param(
+            "streaming_llm+recall", {"recall_interval": 2, "cold_format": "fp8"}, 10**9, marks=pytest.mark.slow
+        ),
+        pytest.param("h2o+recall", {"recall_interval": 3}, 0, marks=pytest.mark.slow),
     ],
 )
-@pytest.mark.parametrize("polls", [0, 3, 10**9])  # copies that run at once, within a few steps, never by themselves
 def test_engine_tokens_equal_the_synchronous_path(tiny_path, method, args, polls):
     spec = MethodSpec(method, budget=24, method_args=args)
     turns = _turns(3)
@@ -242,7 +243,7 @@ def test_traffic_counts_every_byte_and_page_and_is_reported_per_turn(tiny_path):
     engine = _engine(tiny_path)
     tier = engine.controller.recall
     spec = MethodSpec("snapkv+recall", budget=24)
-    turns = _turns(6)
+    turns = _turns(6, (90, 40, 40))
     shape = tier.shape
     token_bytes = 2 * shape.head_dim * engine.manager.pool.dtype.itemsize + 4  # k, v, an int32 position
     reports = []
@@ -251,7 +252,9 @@ def test_traffic_counts_every_byte_and_page_and_is_reported_per_turn(tiny_path):
         run_turn(engine, "s", t, GREEDY, method=spec if i == 0 else None)
         info = engine.session_info("s")["recall_traffic"]
         after = tier.traffic.d2h_bytes, tier.traffic.h2d_bytes, tier.traffic.pages_fetched
-        assert (info["d2h_bytes"], info["h2d_bytes"], info["pages_fetched"]) == tuple(x - y for x, y in zip(after, before))
+        assert (info["d2h_bytes"], info["h2d_bytes"], info["pages_fetched"]) == tuple(
+            x - y for x, y in zip(after, before)
+        )
         reports.append(info)
     assert tier.traffic.d2h_bytes == (tier.captured_tokens + tier.returned_tokens) * token_bytes
     assert tier.traffic.h2d_bytes == tier.traffic.pages_fetched * shape.page_size * token_bytes
