@@ -10,6 +10,8 @@ stream and skip without a GPU.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -20,6 +22,9 @@ from engine.lifecycle import MethodSpec
 from engine.llm import LLMEngine
 from engine.sampling import SamplingParams
 
+from agent_adapters.messages import Usage
+from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
+from sidecar.engine_results import SessionInfo
 from tests.conftest import run_turn
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -48,12 +53,15 @@ class Gate:
 
 
 class GatedCopier(ColdCopier):
-    """CPU copies to the host that stay in flight for ``polls`` polls (copies to the device: at once)."""
+    """CPU copies to the host that stay in flight for ``polls`` polls (copies to the device: at
+    once); ``writer``: staged values are written on a writer thread, as on CUDA."""
 
-    def __init__(self, polls: int = 10**9):
+    def __init__(self, polls: int = 10**9, writer: bool = False):
         super().__init__(torch.device("cpu"))
         self.polls = polls
         self.gates: list[Gate] = []
+        if writer:
+            self.writer = ThreadPoolExecutor(1, thread_name_prefix="test-cold-writer")
 
     def to_host(self, tensors):
         self.gates.append(Gate(self.polls))
@@ -84,16 +92,16 @@ def _same_state(a: dict, b: dict) -> None:
 
 
 # --- 1. the store ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt", ["plain", "fp8"])
-def test_copies_in_flight_give_what_the_synchronous_store_gives(fmt):
-    sync, gated = _store(fmt), _store(fmt, GatedCopier())
+@pytest.mark.parametrize("fmt, writer", [("plain", False), ("fp8", False), ("plain", True)])
+def test_copies_in_flight_give_what_the_synchronous_store_gives(fmt, writer):
+    sync, gated = _store(fmt), _store(fmt, GatedCopier(polls=1, writer=writer))
     q = torch.randn(L, H, 5, D)
     parts = 5 if fmt == "fp8" else 3  # k, v, positions (and fp8's scales)
     for batch in _batches(0):
         for s in (sync, gated):
             s.append(*batch)
         # the latest copy is in flight (a growth of the store lands the earlier ones first)
-        assert gated.pending and gated.staging_buffers == parts * len(gated.pending)
+        assert gated.pending and 0 < gated.staging_buffers <= parts * len(gated.pending)
         assert sync.pending == []  # without CUDA the copy is done before append returns
         assert torch.equal(sync.block_scores(q), gated.block_scores(q))  # bookkeeping is at once
         assert sync.live_tokens() == gated.live_tokens()
@@ -121,13 +129,17 @@ def test_a_fetch_waits_only_for_the_copies_into_its_blocks():
     assert store.pos[1, 2, :2].tolist() == [50, 51]
 
 
-def test_poll_writes_the_copies_that_have_run_and_never_waits():
-    copier = GatedCopier(polls=1)
+@pytest.mark.parametrize("writer", [False, True])
+def test_poll_writes_the_copies_that_have_run_and_never_waits(writer):
+    copier = GatedCopier(polls=1, writer=writer)
     store = _store("plain", copier)
     rows, k, v, pos = _batches(1, 1)[0]
     store.append(rows, k, v, pos)  # append's own poll: the first query, not yet
     assert len(store.pending) == 1
-    store.poll()  # the second query: the copy has run
+    store.poll()  # the second query: the copy has run (and is written, or handed to the writer)
+    for p in store.pending:  # on the writer thread: wait for the write here (poll never does)
+        p.writing.result()
+    store.poll()  # written copies are forgotten
     assert store.pending == [] and not copier.gates[0].forced
     assert torch.equal(store.pos[0, 0, : int((rows == 0).sum())], pos[rows == 0].to(torch.int32))
 
@@ -150,11 +162,11 @@ def tiny_path(tiny_models):
     return tiny_models("llama")[0]
 
 
-def _engine(path, polls: int | None = None, **kw) -> LLMEngine:
+def _engine(path, polls: int | None = None, writer: bool = False, **kw) -> LLMEngine:
     base = dict(model=path, device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=64)
     engine = LLMEngine(EngineConfig(**{**base, **kw}))
     if polls is not None:
-        engine.controller.recall.copier = GatedCopier(polls)
+        engine.controller.recall.copier = GatedCopier(polls, writer)
     return engine
 
 
@@ -168,19 +180,19 @@ def _chat(engine, sid, turns, spec):
 
 
 @pytest.mark.parametrize(
-    "method, args, polls",  # polls: copies that run within a few steps, never by themselves, at once
+    "method, args, polls, writer",  # polls: copies that run within a few steps, never by themselves, at once
     [
-        ("snapkv+recall", {}, 3),
+        ("snapkv+recall", {}, 3, True),
         pytest.param(
-            "streaming_llm+recall", {"recall_interval": 2, "cold_format": "fp8"}, 10**9, marks=pytest.mark.slow
+            "streaming_llm+recall", {"recall_interval": 2, "cold_format": "fp8"}, 10**9, False, marks=pytest.mark.slow
         ),
-        pytest.param("h2o+recall", {"recall_interval": 3}, 0, marks=pytest.mark.slow),
+        pytest.param("h2o+recall", {"recall_interval": 3}, 0, False, marks=pytest.mark.slow),
     ],
 )
-def test_engine_tokens_equal_the_synchronous_path(tiny_path, method, args, polls):
+def test_engine_tokens_equal_the_synchronous_path(tiny_path, method, args, polls, writer):
     spec = MethodSpec(method, budget=24, method_args=args)
     turns = _turns(3)
-    sync, gated = _engine(tiny_path), _engine(tiny_path, polls)
+    sync, gated = _engine(tiny_path), _engine(tiny_path, polls, writer)
     assert _chat(gated, "s", turns, spec) == _chat(sync, "s", turns, spec)
     a, b = sync.controller.recall, gated.controller.recall
     assert a.recalls > 0 and a.traffic == b.traffic
@@ -260,6 +272,9 @@ def test_traffic_counts_every_byte_and_page_and_is_reported_per_turn(tiny_path):
     assert tier.traffic.h2d_bytes == tier.traffic.pages_fetched * shape.page_size * token_bytes
     assert reports[0]["h2d_bytes"] == 0 and reports[0]["d2h_bytes"] > 0  # turn 1: nothing cold to recall yet
     assert sum(r["recalls"] for r in reports) == tier.recalls > 0
+    # the last turn's record reaches a client: session info -> chainkv.v1.Usage.recall -> Usage.recall
+    typed = SessionInfo.from_engine(engine.session_info("s")).recall
+    assert Usage.from_proto(pb.Usage(recall=pb.RecallTraffic(**typed.as_dict()))).recall == reports[-1]
     stats = engine.stats()
     assert stats["recall_d2h_bytes"] == tier.traffic.d2h_bytes and stats["recall_h2d_bytes"] == tier.traffic.h2d_bytes
     assert stats["recall_staging_buffers"] == 0

@@ -9,10 +9,12 @@ both copies run on a side stream of the device (``ColdCopier.stream``) through p
   that gather (stream order). The side stream waits for the compute stream's work queued so far
   (the gather included), copies the tensors into pinned buffers and records ``done``. The
   ``HostCopy`` keeps the device tensors referenced until ``done`` has passed, so the allocator
-  cannot hand their memory to the compute stream while the copy still reads it; the store writes
-  the staged values into its host arrays once ``done`` has passed (``ColdStore.poll``, each step)
-  or when it must read them (``ColdStore.flush``: a recall of those blocks, a compaction, a
-  snapshot). Dropping a copy in flight (``HostCopy.discard``) waits for it first.
+  cannot hand their memory to the compute stream while the copy still reads it. Once ``done`` has
+  passed (``ColdStore.poll``, each step), the store's writer thread (``write``) moves the staged
+  values into its host arrays, a host memory copy the engine thread does not wait for either; the
+  engine thread writes them itself only when it must read them first (``ColdStore.flush``: a
+  recall of those blocks, a compaction, a snapshot). Dropping a copy in flight
+  (``HostCopy.discard``) waits for it first.
 * **host -> device** (``to_device``): the store gathers the blocks straight into pinned buffers
   (``host_buffer``); the side stream copies them into device tensors allocated on the compute
   stream, and the compute stream waits for that copy (``DeviceCopy.wait``) only where the tokens
@@ -25,8 +27,9 @@ synchronous, with identical results. Every pinned buffer a copy holds is counted
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -91,13 +94,24 @@ class DeviceCopy:
 
 
 class ColdCopier:
-    """The side stream of one device (none without CUDA) and the copies it runs."""
+    """The side stream of one device and the thread that writes staged copies into host arrays
+    (neither without CUDA), and the copies they run."""
 
     _by_device: dict[torch.device, "ColdCopier"] = {}
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="cold-writer") if cuda else None
+
+    def write(self, fn: Callable[[], None]) -> Future | None:
+        """Run ``fn`` (a host memory copy: torch releases the GIL while it runs) on the writer thread;
+        without one, now (then None)."""
+        if self.writer is None:
+            fn()
+            return None
+        return self.writer.submit(fn)
 
     @classmethod
     def for_device(cls, device: torch.device) -> "ColdCopier":

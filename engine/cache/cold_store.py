@@ -18,8 +18,9 @@ after the last block, so only a row's last block can be partly filled.
 
 Copies run off the engine thread's path (engine/cache/cold_copy.py). ``append`` updates the
 bookkeeping (counts, blocks' turns, the device bounds) at once and queues the values' copy to the
-host; the copy lands in the host arrays when it has run (``poll``, each step) or when something
-reads them (``flush``: ``fetch`` of a block the copy writes, ``compact``, ``state``, a growth).
+host; once the copy has run, ``poll`` (each step) has the copier's writer thread put the values in
+the host arrays, or the engine thread does when it reads them first (``flush``: ``fetch`` of a
+block the copy writes, ``compact``, ``state``, a growth).
 ``fetch`` gathers the blocks into pinned memory and queues their copy to the device; the tokens
 are decoded there once the compute stream waits for the copy (``ColdFetch.wait``). Without CUDA
 every copy completes at once (the same path, synchronous).
@@ -27,7 +28,9 @@ every copy completes at once (the same path, synchronous).
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -76,6 +79,8 @@ class _Pending:
     flat: torch.Tensor
     blocks: torch.Tensor
     """The blocks (row * num_blocks + block) the values go to."""
+    writing: Future | None = None
+    """The writer thread's write of the values, once the copy has run."""
 
 
 class ColdStore:
@@ -222,16 +227,24 @@ class ColdStore:
         return sum(p.copy.buffers for p in self.pending)
 
     def poll(self) -> None:
-        """Write the copies that have run into the host arrays (never waits)."""
-        ready = [p.copy.ready for p in self.pending]
-        for p, r in zip(self.pending, ready):
-            if r:
-                self._write(p)
-        self.pending = [p for p, r in zip(self.pending, ready) if not r]
+        """Hand the copies that have run to the writer thread, and forget those it has written
+        (never waits; without a writer thread the values are written now)."""
+        left = []
+        for p in self.pending:
+            if p.writing is None and p.copy.ready:
+                p.copy.device = []  # the copy has read them: back to the allocator, on this thread
+                p.writing = self.copier.write(partial(self._write, p))
+                if p.writing is None:
+                    continue
+            if p.writing is not None and p.writing.done():
+                p.writing.result()  # a write that failed fails here
+                continue
+            left.append(p)
+        self.pending = left
 
     def flush(self, blocks: torch.Tensor | None = None) -> None:
-        """Wait for and write the copies to the host (only those into ``blocks``, host ``[n]``
-        row * num_blocks + block, if given)."""
+        """Wait for the copies to the host and write them into the arrays (only those into
+        ``blocks``, host ``[n]`` row * num_blocks + block, if given)."""
         if blocks is None:
             todo, self.pending = self.pending, []
         else:
@@ -239,7 +252,10 @@ class ColdStore:
             todo = [p for p, h in zip(self.pending, hit) if h]
             self.pending = [p for p, h in zip(self.pending, hit) if not h]
         for p in todo:
-            self._write(p)
+            if p.writing is None:
+                self._write(p)  # the engine thread needs the values now
+            else:
+                p.writing.result()
 
     @torch.inference_mode(False)
     def _write(self, p: _Pending) -> None:
@@ -254,8 +270,10 @@ class ColdStore:
         p.copy.discard()
 
     def discard(self) -> None:
-        """The store is dropped: its copies in flight are waited for and their buffers let go."""
+        """The store is dropped: its copies in flight (and writes) are waited for and their buffers let go."""
         for p in self.pending:
+            if p.writing is not None:
+                p.writing.result()
             p.copy.discard()
         self.pending = []
 
