@@ -320,6 +320,7 @@ def test_cuda_engine_tokens_equal_with_the_side_stream_and_without(tiny_path):
     inline = _engine(tiny_path, device="cuda")
     inline.controller.recall.copier = ColdCopier(torch.device("cuda"))
     inline.controller.recall.copier.stream = None  # the same copies, made at once on the compute stream
+    inline.controller.recall.copier.writer = None
     assert _chat(side, "s", turns, spec) == _chat(inline, "s", turns, spec)
     assert side.controller.recall.traffic == inline.controller.recall.traffic
     assert side.controller.recall.recalls > 0
