@@ -298,7 +298,8 @@ def test_cuda_side_stream_copies_equal_the_cpu_store(fmt):
         cpu.append(rows, k, v, pos)
         gpu.append(rows, k.to(dev), v.to(dev), pos.to(dev))
     q = torch.randn(L, H, 5, D)
-    assert torch.equal(cpu.block_scores(q), gpu.block_scores(q.to(dev)).cpu())
+    # the bounds are exact on both; their matmul by q may sum in another order on the GPU
+    assert torch.allclose(cpu.block_scores(q), gpu.block_scores(q.to(dev)).cpu(), atol=1e-5)
     blocks = cpu.block_scores(q).topk(2, -1).indices
     a, fetch = cpu.take(blocks), gpu.fetch(blocks)
     b = fetch.wait()
