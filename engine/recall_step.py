@@ -9,6 +9,9 @@ sequence's query window and has the controller recall what they attend to (engin
   token is run again (its KV truncated, then prefilled alone, with no method hook seeing it) and
   its new logits replace the pass's;
 * during decoding, every ``recall_interval`` tokens, if set (no run again: the next step reads it).
+
+Before any of that, every pass, the cold tier's copies to the host that have run are handed on to
+be written into their stores (``RecallTier.poll``, which never waits: engine/cache/cold_copy.py).
 """
 
 from __future__ import annotations
