@@ -102,14 +102,14 @@ def test_copies_in_flight_give_what_the_synchronous_store_gives(fmt, writer):
             s.append(*batch)
         # the latest copy is in flight (a growth of the store lands the earlier ones first)
         assert gated.pending and 0 < gated.staging_buffers <= parts * len(gated.pending)
-        assert sync.pending == []  # without CUDA the copy is done before append returns
+        assert len(sync.pending) == 0  # without CUDA the copy is done before append returns
         assert torch.equal(sync.block_scores(q), gated.block_scores(q))  # bookkeeping is at once
         assert sync.live_tokens() == gated.live_tokens()
     blocks = sync.block_scores(q).topk(2, -1).indices
     a, b = sync.take(blocks), gated.take(blocks)
     assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and torch.equal(a.pos, b.pos)
     _same_state(sync.state(), gated.state())
-    assert gated.pending == [] and gated.staging_buffers == 0
+    assert len(gated.pending) == 0 and gated.staging_buffers == 0
 
 
 def test_a_fetch_waits_only_for_the_copies_into_its_blocks():
@@ -140,7 +140,7 @@ def test_poll_writes_the_copies_that_have_run_and_never_waits(writer):
     for p in store.pending:  # on the writer thread: wait for the write here (poll never does)
         p.writing.result()
     store.poll()  # written copies are forgotten
-    assert store.pending == [] and not copier.gates[0].forced
+    assert len(store.pending) == 0 and not copier.gates[0].forced
     assert torch.equal(store.pos[0, 0, : int((rows == 0).sum())], pos[rows == 0].to(torch.int32))
 
 
@@ -152,7 +152,7 @@ def test_discarding_a_store_with_copies_in_flight_leaves_no_buffer():
     assert store.pending and store.staging_buffers == 5 * len(store.pending)
     assert not all(g.passed for g in copier.gates)
     store.discard()
-    assert store.pending == [] and store.staging_buffers == 0
+    assert len(store.pending) == 0 and store.staging_buffers == 0
     assert all(g.passed for g in copier.gates)  # each copy had run before its buffers were let go
 
 
@@ -310,7 +310,7 @@ def test_cuda_side_stream_copies_equal_the_cpu_store(fmt):
     for batch in _batches(4):
         gpu.append(*(t.to(dev) if i else t for i, t in enumerate(batch)))
     gpu.discard()
-    assert gpu.staging_buffers == 0 and gpu.pending == []
+    assert gpu.staging_buffers == 0 and len(gpu.pending) == 0
 
 
 @CUDA

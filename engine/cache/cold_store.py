@@ -28,13 +28,12 @@ every copy completes at once (the same path, synchronous).
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
-from engine.cache.cold_copy import ColdCopier, DeviceCopy, HostCopy, nbytes
+from engine.cache.cold_copy import ColdCopier, DeviceCopy, nbytes
+from engine.cache.cold_pending import PendingWrite, PendingWrites
 
 COLD_FORMATS = ("plain", "fp8")
 FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -71,18 +70,6 @@ class ColdFetch:
         return ColdTokens(k=k, v=v, pos=pos)
 
 
-@dataclass
-class _Pending:
-    """Values copied to the host, to be written at token slots ``flat`` (row * capacity + slot)."""
-
-    copy: HostCopy
-    flat: torch.Tensor
-    blocks: torch.Tensor
-    """The blocks (row * num_blocks + block) the values go to."""
-    writing: Future | None = None
-    """The writer thread's write of the values, once the copy has run."""
-
-
 class ColdStore:
     @torch.inference_mode(False)  # its state is updated in and out of inference mode
     def __init__(
@@ -103,8 +90,8 @@ class ColdStore:
         self.L, self.H, self.D, self.P = num_layers, num_kv_heads, head_dim, block
         self.dtype, self.device, self.format = dtype, device, cold_format
         self.copier = copier or ColdCopier.for_device(device)
-        self.pending: list[_Pending] = []
-        """Copies to the host not yet written into the arrays, in the order they were queued."""
+        self.pending = PendingWrites(self.copier, self._write)
+        """Copies to the host not yet written into the arrays."""
         self.capacity = 0
         self.count = torch.zeros(num_layers, num_kv_heads, dtype=torch.int64)
         """Token slots used per row (dead blocks and the padding after a dead last block included)."""
@@ -211,7 +198,7 @@ class ColdStore:
             parts += [k_scale, v_scale]
         block_ids = rows * self.num_blocks + dest // self.P
         copy = self.copier.to_host(parts)
-        self.pending.append(_Pending(copy, rows * self.capacity + dest, torch.unique(block_ids)))
+        self.pending.add(copy, rows * self.capacity + dest, torch.unique(block_ids))
         block = block_ids.to(self.device)
         D = self.D
         self.lo.view(-1, D).scatter_reduce_(0, block[:, None].expand(-1, D), k_seen, "amin")
@@ -224,41 +211,19 @@ class ColdStore:
     @property
     def staging_buffers(self) -> int:
         """Pinned buffers held by copies to the host not yet written (0 without CUDA)."""
-        return sum(p.copy.buffers for p in self.pending)
+        return self.pending.buffers
 
     def poll(self) -> None:
-        """Hand the copies that have run to the writer thread, and forget those it has written
-        (never waits; without a writer thread the values are written now)."""
-        left = []
-        for p in self.pending:
-            if p.writing is None and p.copy.ready:
-                p.copy.device = []  # the copy has read them: back to the allocator, on this thread
-                p.writing = self.copier.write(partial(self._write, p))
-                if p.writing is None:
-                    continue
-            if p.writing is not None and p.writing.done():
-                p.writing.result()  # a write that failed fails here
-                continue
-            left.append(p)
-        self.pending = left
+        """Have the copies to the host that have run written (never waits)."""
+        self.pending.poll()
 
     def flush(self, blocks: torch.Tensor | None = None) -> None:
         """Wait for the copies to the host and write them into the arrays (only those into
         ``blocks``, host ``[n]`` row * num_blocks + block, if given)."""
-        if blocks is None:
-            todo, self.pending = self.pending, []
-        else:
-            hit = [bool(torch.isin(p.blocks, blocks).any()) for p in self.pending]
-            todo = [p for p, h in zip(self.pending, hit) if h]
-            self.pending = [p for p, h in zip(self.pending, hit) if not h]
-        for p in todo:
-            if p.writing is None:
-                self._write(p)  # the engine thread needs the values now
-            else:
-                p.writing.result()
+        self.pending.flush(blocks)
 
     @torch.inference_mode(False)
-    def _write(self, p: _Pending) -> None:
+    def _write(self, p: PendingWrite) -> None:
         k, v, pos, *scales = p.copy.wait()
         # one multi-threaded index_copy_ per buffer (flat (row, slot) indices), not a copy per row
         _raw(self.k).view(-1, self.D).index_copy_(0, p.flat, _raw(k))
@@ -271,11 +236,7 @@ class ColdStore:
 
     def discard(self) -> None:
         """The store is dropped: its copies in flight (and writes) are waited for and their buffers let go."""
-        for p in self.pending:
-            if p.writing is not None:
-                p.writing.result()
-            p.copy.discard()
-        self.pending = []
+        self.pending.discard()
 
     def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """``x`` ``[n, D]`` (device) as the host stores it (values, fp8's scales or None), still on the
