@@ -143,10 +143,13 @@ class Usage:
     kv_tokens: int = 0
     timing: dict[str, float] = field(default_factory=dict)
     """Where the turn's time went on the engine (seconds by cause: chainkv.v1.TurnTiming's fields)."""
+    recall: dict[str, int] = field(default_factory=dict)
+    """What the recall tier copied during the turn (chainkv.v1.RecallTraffic's fields; empty without it)."""
 
     @classmethod
     def from_proto(cls, u: pb.Usage) -> "Usage":
         timing = {f.name: getattr(u.timing, f.name) for f in u.timing.DESCRIPTOR.fields} if u.HasField("timing") else {}
+        recall = {f.name: getattr(u.recall, f.name) for f in u.recall.DESCRIPTOR.fields} if u.HasField("recall") else {}
         return cls(
             u.prompt_tokens,
             u.reused_tokens,
@@ -158,6 +161,7 @@ class Usage:
             u.history_tokens,
             u.kv_tokens,
             timing,
+            recall,
         )
 
     def as_dict(self) -> dict[str, Any]:

@@ -25,8 +25,11 @@ of its turn latencies), and tokens prefilled / reused / pruned / generated. ``sp
 nochain's mean busy time over the configuration's (think time is the agent's, not the server's);
 ``makespan_speedup`` compares the whole replay's wall time. Each turn also carries the engine's
 timing record (Usage.timing: waiting, swap-in, recompute, prefill, decode, decode stalled behind
-prefill). After the replay, with the in-process sidecar, the engine's own rates are measured and each
-configuration gets a lower bound on its makespan and makespan / bound (benchmarks/makespan_bound.py).
+prefill), and with ``+recall`` the recall tier's copies (Usage.recall: bytes to and from the host,
+cold pages fetched), which the summary totals per configuration. After the replay, with the
+in-process sidecar, the engine's own rates are measured and each configuration gets a lower bound
+on its makespan and makespan / bound (benchmarks/makespan_bound.py); a configuration that recalls
+also gets its copies' time at the measured host <-> device bandwidth.
 
 The sidecar is in-process (built from the engine flags, the same names as ``chainkv serve``) or an
 existing one (``--target HOST:PORT``). Random weights with real shapes for GPU runs:
@@ -161,6 +164,7 @@ async def one_turn(client: AsyncChainKVClient, session_id: str, messages: list[d
         "kv_tokens": u.kv_tokens,
         "source_tier": u.source_tier,
         "timing": dict(u.timing),
+        "recall": dict(u.recall),
         "text": result.text,
     }
 
@@ -241,6 +245,31 @@ def summarize(cfg: str, rows: list[dict], makespan: float) -> dict:
             max(rs, key=lambda r: r["turn"])["kv_tokens"] for rs in by_session.values()
         ),
         "ttft_by_turn_s": [statistics.fmean(r["ttft_s"] for r in rows if r["turn"] == t) for t in turns],
+        "recall": recall_traffic(rows),
+    }
+
+
+def recall_traffic(rows: list[dict]) -> dict:
+    """The recall tier's copies over a configuration's turns (Usage.recall): totals and per turn."""
+    keys = ("d2h_bytes", "h2d_bytes", "pages_fetched", "recalled_tokens", "recalls")
+    total = {k: sum(r.get("recall", {}).get(k, 0) for r in rows) for k in keys}
+    n = max(1, len(rows))
+    return {**total, **{f"{k}_per_turn": total[k] / n for k in ("d2h_bytes", "h2d_bytes", "pages_fetched")}}
+
+
+def recall_bandwidth(row: dict, h2d_gb_s: float, d2h_gb_s: float) -> dict:
+    """A configuration's recall traffic against the measured copy bandwidth: the seconds its bytes
+    take at that bandwidth (the copy time the engine would wait if the copies did not overlap),
+    in total and as a share of the makespan."""
+    t = row["recall"]
+    h2d = t["h2d_bytes"] / (h2d_gb_s * 1e9) if h2d_gb_s else 0.0
+    d2h = t["d2h_bytes"] / (d2h_gb_s * 1e9) if d2h_gb_s else 0.0
+    return {
+        "h2d_s_at_bandwidth": h2d,
+        "d2h_s_at_bandwidth": d2h,
+        "copy_share_of_makespan": (h2d + d2h) / row["makespan_s"] if row["makespan_s"] else 0.0,
+        "h2d_gb_s_measured": h2d_gb_s,
+        "d2h_gb_s_measured": d2h_gb_s,
     }
 
 
@@ -287,6 +316,12 @@ async def replay(target: str, args, params: TraceParams, profile=None, on_update
                 f"prefilled {s['prefilled_tokens']:>7}  reused {s['reused_tokens']:>7}  pruned {s['pruned_tokens']:>6}  "
                 f"tiers {s['source_tiers']}"
             )
+            if s["recall"]["recalls"] or s["recall"]["d2h_bytes"]:
+                t = s["recall"]
+                print(
+                    f"{'':<16} recall: {t['d2h_bytes'] / 1e9:.2f} GB to host, {t['h2d_bytes'] / 1e9:.2f} GB back, "
+                    f"{t['pages_fetched_per_turn']:.0f} pages fetched per turn, {t['recalls']} recalls"
+                )
             if profile is not None:
                 print_report(cfg.name, s["profile"])
             result = {
@@ -469,7 +504,16 @@ def main() -> None:
     if engine is not None and result.get("rows"):  # the engine's own rates, and the bound they give
         from benchmarks.makespan_bound import add_bounds
 
-        add_bounds(result, engine, make_trace(params)[1], args.concurrency, args.method_budget)
+        rates = add_bounds(result, engine, make_trace(params)[1], args.concurrency, args.method_budget)
+        for s in result["rows"]:
+            if s["recall"]["d2h_bytes"]:
+                s["recall"].update(recall_bandwidth(s, rates.h2d_gb_s, rates.d2h_gb_s))
+                b = s["recall"]
+                print(
+                    f"  {s['config']:<16} recall copies at the measured {rates.h2d_gb_s:.1f} GB/s (h2d) and "
+                    f"{rates.d2h_gb_s:.1f} GB/s (d2h): {b['h2d_s_at_bandwidth']:.2f} s + {b['d2h_s_at_bandwidth']:.2f} s, "
+                    f"{100 * b['copy_share_of_makespan']:.1f}% of the makespan"
+                )
         write(result)
         for s in result["rows"]:
             b, m = s["lower_bound"], s["breakdown"].get("mean_s", {})

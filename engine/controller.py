@@ -333,10 +333,10 @@ class SparseController:
     def on_turn_end(self, seq: SeqInfo, spans: Sequence[Span]) -> None:
         method = self._method_of[seq.seq_id]
         self.recall.next_turn(seq.seq_id)
-        if not _overrides(method, "on_turn_end"):
-            return
-        per_layer = method.on_turn_end(seq, spans) or {}
-        self._compact([(seq.seq_id, layer, keep) for layer, keep in per_layer.items()])
+        if _overrides(method, "on_turn_end"):
+            per_layer = method.on_turn_end(seq, spans) or {}
+            self._compact([(seq.seq_id, layer, keep) for layer, keep in per_layer.items()])
+        self.recall.turn_done(seq.seq_id)
 
     def _compact(self, items) -> None:
         if not items:

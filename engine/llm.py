@@ -376,6 +376,20 @@ class LLMEngine:
         return [done[i] for i in ids]
 
     # --- stats ------------------------------------------------------------------------------------------
+    def _recall_stats(self) -> dict[str, int]:
+        """The recall tier's copies since the engine started (engine/recall.py)."""
+        tier = self.controller.recall
+        t = tier.traffic
+        return {
+            "recall_d2h_bytes": t.d2h_bytes,
+            "recall_h2d_bytes": t.h2d_bytes,
+            "recall_pages_fetched": t.pages_fetched,
+            "recalled_tokens": t.recalled_tokens,
+            "recalls": t.recalls,
+            "recall_host_bytes": tier.host_bytes,
+            "recall_staging_buffers": tier.staging_buffers,
+        }
+
     def stats(self) -> dict[str, int]:
         return {
             "pages_total": self.pool.num_pages,
@@ -391,5 +405,6 @@ class LLMEngine:
             "demotions": self.chains.demotions,
             "swaps": self.scheduler.swaps,
             "prefix_holders": self.chains.prefixes.num_holders,
+            **self._recall_stats(),
             **self.totals,
         }

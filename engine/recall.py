@@ -18,15 +18,22 @@ Drop from the device, never from the session. For each sequence whose method is 
 
 The tier's per-sequence state travels in the method state of snapshots (``state`` / ``load``), so
 a session resumed on another engine has its cold tier, and forks copy it.
+
+Copies between the device and the host do not hold up the engine thread (engine/cache/cold_copy.py):
+a capture's copy to the host runs on a side stream and lands in the store when it has run (``poll``,
+after every pass) or when the store must read it; a recall starts copying its candidate blocks to
+the device before it gathers the hot tokens, and waits for them only to rank them. The traffic is
+counted (``RecallTraffic``: bytes each way, cold pages fetched) per sequence and turn, and in total.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Hashable
 
 import torch
 
+from engine.cache.cold_copy import ColdCopier
 from engine.cache.cold_store import ColdStore
 from engine.cache.errors import OutOfPages
 from engine.cache.rewrite import rewrite_rows
@@ -49,6 +56,25 @@ class RecallResult:
     """Hot tokens moved to the cold tier in their place."""
 
 
+@dataclass
+class RecallTraffic:
+    """What the cold tier copied (one sequence's turn, or the tier's total)."""
+
+    d2h_bytes: int = 0
+    """Evicted (and displaced) K/V, positions and fp8 scales copied to the host."""
+    h2d_bytes: int = 0
+    """Candidate cold blocks copied to the device."""
+    pages_fetched: int = 0
+    """Cold blocks copied to the device (a block is a page of one layer's kv-head)."""
+    recalled_tokens: int = 0
+    """Of the fetched tokens, those kept on the device (summed over layers and kv-heads)."""
+    recalls: int = 0
+
+    def add(self, other: "RecallTraffic") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
 class RecallTier:
     def __init__(self, shape: ModelShape, manager, host_limit_bytes: int):
         self.shape = shape
@@ -56,11 +82,19 @@ class RecallTier:
         self.host_limit = host_limit_bytes
         self.settings: dict[SeqId, object] = {}
         self.stores: dict[SeqId, ColdStore] = {}
+        self.copier = ColdCopier.for_device(manager.device)
+        self.traffic = RecallTraffic()
+        """Since the engine started."""
+        self.turn_traffic: dict[SeqId, RecallTraffic] = {}
+        """Each sequence's turn in progress (from the end of its previous turn on)."""
+        self.last_turn_traffic: dict[SeqId, RecallTraffic] = {}
+        """Each sequence's last finished turn."""
         self.captured_tokens = 0
+        """Evicted tokens stored by captures."""
+        self.returned_tokens = 0
+        """Tokens a recall sent (back) to the host: displaced hot ones, candidates not kept."""
         self.dropped_tokens = 0
         """Evicted tokens destroyed because the tier was at ``host_limit``."""
-        self.recalled_tokens = 0
-        self.recalls = 0
         manager.evict_sink = self
 
     # --- membership ------------------------------------------------------------------------------
@@ -72,7 +106,11 @@ class RecallTier:
 
     def release(self, seq_id: SeqId) -> None:
         self.settings.pop(seq_id, None)
-        self.stores.pop(seq_id, None)
+        self.turn_traffic.pop(seq_id, None)
+        self.last_turn_traffic.pop(seq_id, None)
+        store = self.stores.pop(seq_id, None)
+        if store is not None:
+            store.discard()
 
     def fork(self, parent: SeqId, child: SeqId) -> None:
         if parent in self.settings:
@@ -89,6 +127,29 @@ class RecallTier:
     def host_bytes(self) -> int:
         return sum(s.nbytes for s in self.stores.values())
 
+    @property
+    def recalls(self) -> int:
+        return self.traffic.recalls
+
+    @property
+    def recalled_tokens(self) -> int:
+        return self.traffic.recalled_tokens
+
+    @property
+    def staging_buffers(self) -> int:
+        """Pinned buffers held by copies to the host still in flight (every store's)."""
+        return sum(s.staging_buffers for s in self.stores.values())
+
+    def poll(self) -> None:
+        """Write the copies to the host that have run into their stores (never waits)."""
+        for store in self.stores.values():
+            if store.pending:
+                store.poll()
+
+    def _count(self, seq_id: SeqId, traffic: RecallTraffic) -> None:
+        self.traffic.add(traffic)
+        self.turn_traffic.setdefault(seq_id, RecallTraffic()).add(traffic)
+
     def cold_tokens(self, seq_id: SeqId) -> int:
         store = self.stores.get(seq_id)
         return 0 if store is None else store.live_tokens()
@@ -99,6 +160,7 @@ class RecallTier:
         store = self.stores.get(seq_id)
         if store is None:
             return [[torch.empty(0, dtype=torch.int32) for _ in range(H)] for _ in range(L)]
+        store.flush()
         keep = store.live_slots()
         return [[store.pos[layer, h][keep[layer, h]] for h in range(H)] for layer in range(L)]
 
@@ -107,7 +169,7 @@ class RecallTier:
             s, pool = self.shape, self.manager.pool
             fmt = self.settings[seq_id].cold_format
             self.stores[seq_id] = ColdStore(
-                s.num_layers, s.num_kv_heads, s.head_dim, s.page_size, pool.dtype, pool.device, fmt
+                s.num_layers, s.num_kv_heads, s.head_dim, s.page_size, pool.dtype, pool.device, fmt, self.copier
             )
         return self.stores[seq_id]
 
@@ -151,7 +213,7 @@ class RecallTier:
         if grow and self.host_bytes + grow > self.host_limit:
             self.dropped_tokens += rows.numel()
             return 0
-        store.append(rows, k, v, pos)
+        self._count(seq_id, RecallTraffic(d2h_bytes=store.append(rows, k, v, pos)))
         return rows.numel()
 
     # --- recall ----------------------------------------------------------------------------------
@@ -159,6 +221,15 @@ class RecallTier:
         """A turn of ``seq_id`` ended: what it evicted becomes recallable at the next turn's input."""
         if seq_id in self.stores:
             self.stores[seq_id].next_turn()
+
+    def turn_done(self, seq_id: SeqId) -> None:
+        """The turn's end (its end-of-turn compression included) is through: its traffic is final."""
+        if seq_id in self.settings:
+            self.last_turn_traffic[seq_id] = self.turn_traffic.pop(seq_id, RecallTraffic())
+
+    def turn_report(self, seq_id: SeqId) -> RecallTraffic:
+        """The traffic of ``seq_id``'s last finished turn (zeros before its first, or without recall)."""
+        return self.last_turn_traffic.get(seq_id, RecallTraffic())
 
     def recall(self, seq_id: SeqId, queries: torch.Tensor, cap: int, protect: int, at_input: bool) -> RecallResult:
         """Bring back the cold tokens ``queries`` ``[L, n, Hq, D]`` attend to most; each head then
@@ -182,8 +253,10 @@ class RecallTier:
         blocks = torch.where(torch.isfinite(top.values), top.indices, -1).cpu()
         if not bool((blocks >= 0).any()):
             return RecallResult()
-        cand = store.take(blocks)
+        fetch = store.fetch(blocks)  # copied to the device while the hot tokens are gathered
         hot_k, hot_v, hot_pos = self._hot(seq_id, int(length.max()))
+        cand = fetch.wait()
+        self._count(seq_id, RecallTraffic(h2d_bytes=fetch.nbytes, pages_fetched=int((blocks >= 0).sum())))
         k = torch.cat([hot_k, cand.k.to(hot_k.dtype)], 2)  # [L, H, T + C, D]
         v = torch.cat([hot_v, cand.v.to(hot_v.dtype)], 2)
         pos = torch.cat([hot_pos, cand.pos.to(hot_pos.device, hot_pos.dtype)], 2)
@@ -236,8 +309,7 @@ class RecallTier:
             self._back(seq_id, k, v, pos, valid & (idx >= T))
             return RecallResult(candidates=result.candidates)
         self._back(seq_id, k, v, pos, out)
-        self.recalls += 1
-        self.recalled_tokens += result.recalled
+        self._count(seq_id, RecallTraffic(recalled_tokens=result.recalled, recalls=1))
         return result
 
     def _hot(self, seq_id: SeqId, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -263,7 +335,7 @@ class RecallTier:
         rows = (li * H + hi).cpu()
         if rows.numel() == 0:
             return
-        self._append(seq_id, rows, k[li, hi, src], v[li, hi, src], pos[li, hi, src])
+        self.returned_tokens += self._append(seq_id, rows, k[li, hi, src], v[li, hi, src], pos[li, hi, src])
 
     # --- snapshot --------------------------------------------------------------------------------
     def state(self, seq_id: SeqId) -> dict[str, torch.Tensor]:

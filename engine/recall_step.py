@@ -9,6 +9,9 @@ sequence's query window and has the controller recall what they attend to (engin
   token is run again (its KV truncated, then prefilled alone, with no method hook seeing it) and
   its new logits replace the pass's;
 * during decoding, every ``recall_interval`` tokens, if set (no run again: the next step reads it).
+
+Before any of that, every pass, the cold tier's copies to the host that have run are handed on to
+be written into their stores (``RecallTier.poll``, which never waits: engine/cache/cold_copy.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class RecallStep:
     @torch.inference_mode()  # like the pass itself (the logits it replaces are inference tensors)
     def after_pass(self, batch, result, windows: dict) -> None:
         """Recall for the sequences of the pass just run (``result.logits`` rows may be replaced)."""
+        self.controller.recall.poll()  # copies to the cold tier that have run land in their stores
         for seq, _ in batch.prefill:
             if seq.num_cached == seq.num_tokens and not seq.finished:
                 settings = self.controller.recall_settings(seq.seq_id)

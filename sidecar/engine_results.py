@@ -9,7 +9,7 @@ here; the gRPC servicer, the session manager and an HTTP front all read these.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from engine.turn_timing import TurnTiming
@@ -59,6 +59,25 @@ class PruneRecord:
 
 
 @dataclass(frozen=True)
+class RecallTrafficInfo:
+    """What the recall tier copied during the session's last turn (engine/recall.py's RecallTraffic)."""
+
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    pages_fetched: int = 0
+    recalled_tokens: int = 0
+    recalls: int = 0
+
+    @classmethod
+    def from_engine(cls, d: dict[str, Any] | None) -> "RecallTrafficInfo":
+        d = d or {}
+        return cls(**{f.name: int(d.get(f.name, 0)) for f in fields(cls)})
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class MethodInfo:
     """The sparse method a session runs with."""
 
@@ -101,6 +120,8 @@ class SessionInfo:
     shared_prefix_tokens: int
     spans: tuple[SpanInfo, ...]
     last_token: int | None
+    recall: RecallTrafficInfo = RecallTrafficInfo()
+    """The recall tier's copies during the last turn (zeros without ``+recall``)."""
 
     @classmethod
     def from_engine(cls, d: dict[str, Any]) -> "SessionInfo":
@@ -124,6 +145,7 @@ class SessionInfo:
                 for s in d.get("spans", [])
             ),
             last_token=d.get("last_token"),
+            recall=RecallTrafficInfo.from_engine(d.get("recall_traffic")),
         )
 
     @property

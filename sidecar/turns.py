@@ -329,6 +329,7 @@ def completion_proto(
         source_tier=TIERS.get(result.source_tier or "", pb.TIER_UNSPECIFIED),
         history_tokens=info.num_tokens if info else 0,
         kv_tokens=info.kv_tokens if info else 0,
+        recall=pb.RecallTraffic(**info.recall.as_dict()) if info else None,
     )
     if result.timing is not None:
         t = result.timing

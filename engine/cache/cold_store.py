@@ -15,6 +15,15 @@ Layout, per row (one layer and kv-head of the sequence), cold tokens in the orde
 Recall takes whole blocks. A taken block is marked dead (its bounds can never be chosen again) and
 its host memory is reclaimed by ``compact`` once dead blocks pass half the capacity; appends go
 after the last block, so only a row's last block can be partly filled.
+
+Copies run off the engine thread's path (engine/cache/cold_copy.py). ``append`` updates the
+bookkeeping (counts, blocks' turns, the device bounds) at once and queues the values' copy to the
+host; once the copy has run, ``poll`` (each step) has the copier's writer thread put the values in
+the host arrays, or the engine thread does when it reads them first (``flush``: ``fetch`` of a
+block the copy writes, ``compact``, ``state``, a growth).
+``fetch`` gathers the blocks into pinned memory and queues their copy to the device; the tokens
+are decoded there once the compute stream waits for the copy (``ColdFetch.wait``). Without CUDA
+every copy completes at once (the same path, synchronous).
 """
 
 from __future__ import annotations
@@ -22,6 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from engine.cache.cold_copy import ColdCopier, DeviceCopy, nbytes
+from engine.cache.cold_pending import PendingWrite, PendingWrites
 
 COLD_FORMATS = ("plain", "fp8")
 FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -38,6 +50,26 @@ class ColdTokens:
     pos: torch.Tensor
 
 
+@dataclass
+class ColdFetch:
+    """Blocks on their way to the device (``ColdStore.fetch``): ``wait`` gives their ColdTokens."""
+
+    copy: DeviceCopy
+    fp8: bool
+    """The copy carries fp8 values and each token's scales (decoded on the device)."""
+    dtype: torch.dtype
+    nbytes: int
+    """Bytes the copy moves from the host to the device."""
+
+    def wait(self) -> ColdTokens:
+        parts = self.copy.wait()
+        k, v, pos = parts[:3]
+        if self.fp8:
+            k = (k.float() * parts[3][..., None]).to(self.dtype)
+            v = (v.float() * parts[4][..., None]).to(self.dtype)
+        return ColdTokens(k=k, v=v, pos=pos)
+
+
 class ColdStore:
     @torch.inference_mode(False)  # its state is updated in and out of inference mode
     def __init__(
@@ -49,6 +81,7 @@ class ColdStore:
         dtype: torch.dtype,
         device: torch.device,
         cold_format: str = "plain",
+        copier: ColdCopier | None = None,
     ):
         if cold_format not in COLD_FORMATS:
             raise ValueError(f"cold_format must be one of {', '.join(COLD_FORMATS)}, not {cold_format!r}")
@@ -56,6 +89,9 @@ class ColdStore:
             raise ValueError("cold_format fp8 needs a torch build with float8_e4m3fn")
         self.L, self.H, self.D, self.P = num_layers, num_kv_heads, head_dim, block
         self.dtype, self.device, self.format = dtype, device, cold_format
+        self.copier = copier or ColdCopier.for_device(device)
+        self.pending = PendingWrites(self.copier, self._write)
+        """Copies to the host not yet written into the arrays."""
         self.capacity = 0
         self.count = torch.zeros(num_layers, num_kv_heads, dtype=torch.int64)
         """Token slots used per row (dead blocks and the padding after a dead last block included)."""
@@ -101,6 +137,7 @@ class ColdStore:
 
     @torch.inference_mode(False)
     def _grow(self, capacity: int) -> None:
+        self.flush()  # pending slots are numbered by the capacity they were queued at
         capacity = -(-capacity // self.P) * self.P
         L, H, D, old = self.L, self.H, self.D, self.capacity
         kv_dtype = FP8 if self.format == "fp8" else self.dtype
@@ -137,12 +174,13 @@ class ColdStore:
 
     # --- in ------------------------------------------------------------------------------------
     @torch.inference_mode(False)
-    def append(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+    def append(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> int:
         """Add tokens: ``rows`` (host int64 ``[n]``, layer * H + head, ascending), ``k``/``v`` ``[n, D]``
-        and ``pos`` ``[n]`` on the device, each row's tokens in arrival order."""
+        and ``pos`` ``[n]`` on the device, each row's tokens in arrival order. The values reach the
+        host arrays when their copy has run (``poll``/``flush``). Returns the bytes copied to the host."""
         n = rows.numel()
         if n == 0:
-            return
+            return 0
         R = self.L * self.H
         per = torch.bincount(rows, minlength=R)
         need = int((self.count.reshape(-1) + per).max())
@@ -153,34 +191,62 @@ class ColdStore:
         layer, head = rows // self.H, rows % self.H
         opens = dest % self.P == 0  # a token that starts a block dates it
         self.epoch[layer[opens], head[opens], dest[opens] // self.P] = self.turn
-        k_host, k_scale, k_seen = self._encode(k)
-        v_host, v_scale, _ = self._encode(v)
-        pos_host = pos.to("cpu", torch.int32, non_blocking=True)
-        if pos.device.type == "cuda":
-            torch.cuda.current_stream(pos.device).synchronize()  # the pinned copies above have landed
-        # one multi-threaded index_copy_ per buffer (flat (row, slot) indices), not a copy per row
-        flat = rows * self.capacity + dest
-        _raw(self.k).view(-1, self.D).index_copy_(0, flat, _raw(k_host))
-        _raw(self.v).view(-1, self.D).index_copy_(0, flat, _raw(v_host))
-        self.pos.view(-1).index_copy_(0, flat, pos_host)
+        k_store, k_scale, k_seen = self._encode(k)
+        v_store, v_scale, _ = self._encode(v)
+        parts = [k_store, v_store, pos.to(torch.int32)]
         if k_scale is not None:
-            self.scale_k.view(-1).index_copy_(0, flat, k_scale)
-            self.scale_v.view(-1).index_copy_(0, flat, v_scale)
-        block = (rows * self.num_blocks + dest // self.P).to(self.device)
+            parts += [k_scale, v_scale]
+        block_ids = rows * self.num_blocks + dest // self.P
+        copy = self.copier.to_host(parts)
+        self.pending.add(copy, rows * self.capacity + dest, torch.unique(block_ids))
+        block = block_ids.to(self.device)
         D = self.D
         self.lo.view(-1, D).scatter_reduce_(0, block[:, None].expand(-1, D), k_seen, "amin")
         self.hi.view(-1, D).scatter_reduce_(0, block[:, None].expand(-1, D), k_seen, "amax")
         self.count.view(-1).add_(per)
+        self.poll()
+        return nbytes(parts)
+
+    # --- copies in flight ----------------------------------------------------------------------
+    @property
+    def staging_buffers(self) -> int:
+        """Pinned buffers held by copies to the host not yet written (0 without CUDA)."""
+        return self.pending.buffers
+
+    def poll(self) -> None:
+        """Have the copies to the host that have run written (never waits)."""
+        self.pending.poll()
+
+    def flush(self, blocks: torch.Tensor | None = None) -> None:
+        """Wait for the copies to the host and write them into the arrays (only those into
+        ``blocks``, host ``[n]`` row * num_blocks + block, if given)."""
+        self.pending.flush(blocks)
+
+    @torch.inference_mode(False)
+    def _write(self, p: PendingWrite) -> None:
+        k, v, pos, *scales = p.copy.wait()
+        # one multi-threaded index_copy_ per buffer (flat (row, slot) indices), not a copy per row
+        _raw(self.k).view(-1, self.D).index_copy_(0, p.flat, _raw(k))
+        _raw(self.v).view(-1, self.D).index_copy_(0, p.flat, _raw(v))
+        self.pos.view(-1).index_copy_(0, p.flat, pos)
+        if scales:
+            self.scale_k.view(-1).index_copy_(0, p.flat, scales[0])
+            self.scale_v.view(-1).index_copy_(0, p.flat, scales[1])
+        p.copy.discard()
+
+    def discard(self) -> None:
+        """The store is dropped: its copies in flight (and writes) are waited for and their buffers let go."""
+        self.pending.discard()
 
     def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """``x`` ``[n, D]`` (device) as stored on the host (values, fp8's scales or None), and as it
-        will read back, on the device (the bounds are taken of that, so they hold for a recall)."""
+        """``x`` ``[n, D]`` (device) as the host stores it (values, fp8's scales or None), still on the
+        device, and as it will read back (the bounds are taken of that, so they hold for a recall)."""
         if self.format == "plain":
             x = x.to(self.dtype)
-            return x.to("cpu", non_blocking=True), None, x  # pinned on CUDA: the caller syncs once
+            return x, None, x
         s = (x.float().abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
         xq = (x.float() / s[:, None]).to(FP8)
-        return xq.to("cpu", non_blocking=True), s.to("cpu", non_blocking=True), (xq.float() * s[:, None]).to(self.dtype)
+        return xq, s, (xq.float() * s[:, None]).to(self.dtype)
 
     def _decode(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         if self.format == "plain":
@@ -206,31 +272,38 @@ class ColdStore:
             live &= self.epoch < before
         return best.masked_fill(~live.to(best.device), float("-inf"))
 
-    @torch.inference_mode(False)
     def take(self, blocks: torch.Tensor) -> ColdTokens:
-        """Remove blocks ``[L, H, K]`` (host int64 block indices, -1 = none; each live) and return
-        their tokens on the device, ``K * block`` per row."""
+        """``fetch``, waited for."""
+        return self.fetch(blocks).wait()
+
+    @torch.inference_mode(False)
+    def fetch(self, blocks: torch.Tensor) -> ColdFetch:
+        """Remove blocks ``[L, H, K]`` (host int64 block indices, -1 = none; each live) and start
+        copying their tokens to the device, ``K * block`` per row."""
         L, H, K = blocks.shape
         P = self.P
-        fill = self._fill()
         ok = blocks >= 0
         b = blocks.clamp(min=0)
-        valid = (ok[..., None] & (torch.arange(P) < fill.gather(2, b)[..., None])).reshape(L, H, K * P)
         li = torch.arange(L)[:, None, None]
         hi = torch.arange(H)[None, :, None]
         NB, D = self.num_blocks, self.D
-
         flat_blocks = ((li * H + hi) * NB + b).reshape(-1)
+        self.flush(flat_blocks[ok.reshape(-1)])  # the copies that write these blocks land first
+        fill = self._fill()
+        valid = (ok[..., None] & (torch.arange(P) < fill.gather(2, b)[..., None])).reshape(L, H, K * P)
 
         def blocks_of(t: torch.Tensor | None, *tail: int) -> torch.Tensor | None:  # whole blocks, contiguous
             if t is None:
                 return None
-            out = _raw(t).view(L * H * NB, P, *tail).index_select(0, flat_blocks).reshape(L, H, K * P, *tail)
-            return out.view(t.dtype)
+            raw = _raw(t).view(L * H * NB, P, *tail)
+            out = self.copier.host_buffer((L * H * K, P, *tail), raw.dtype)
+            torch.index_select(raw, 0, flat_blocks, out=out)
+            return out.view(t.dtype).reshape(L, H, K * P, *tail)
 
-        k = self._decode(blocks_of(self.k, D), blocks_of(self.scale_k))
-        v = self._decode(blocks_of(self.v, D), blocks_of(self.scale_v))
-        pos = blocks_of(self.pos).masked_fill(~valid, -1)
+        parts = [blocks_of(self.k, D), blocks_of(self.v, D), blocks_of(self.pos)]
+        parts[2].masked_fill_(~valid, -1)
+        if self.format == "fp8":
+            parts += [blocks_of(self.scale_k), blocks_of(self.scale_v)]
         # mark the blocks dead; a dead last block is closed so later appends start a fresh one
         lr, hr, kr = ok.nonzero(as_tuple=True)
         self.dead[lr, hr, blocks[lr, hr, kr]] = True
@@ -239,12 +312,12 @@ class ColdStore:
         self.count = torch.where(closed, -(-self.count // P) * P, self.count)
         if int(self.dead.sum()) * 2 > self.num_blocks * L * H:
             self.compact()
-        dev = self.device
-        return ColdTokens(k=k.to(dev, non_blocking=True), v=v.to(dev, non_blocking=True), pos=pos.to(dev))
+        return ColdFetch(self.copier.to_device(parts), self.format == "fp8", self.dtype, nbytes(parts))
 
     @torch.inference_mode(False)
     def compact(self) -> None:
         """Drop dead blocks: each row's live blocks move to its front, in order."""
+        self.flush()
         L, H, NB, P = self.L, self.H, self.num_blocks, self.P
         fill = self._fill()
         live = (fill > 0) & ~self.dead
@@ -311,7 +384,7 @@ class ColdStore:
         self.hi = torch.where(valid, keys, float("-inf")).reshape(shape).amax(3)
 
     def clone(self) -> "ColdStore":
-        other = ColdStore(self.L, self.H, self.D, self.P, self.dtype, self.device, self.format)
+        other = ColdStore(self.L, self.H, self.D, self.P, self.dtype, self.device, self.format, self.copier)
         other.load(self.state())
         return other
 

@@ -21,6 +21,7 @@ drives it (start a turn, end a turn, end a session once its turn is aborted).
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from typing import Any, Hashable
 
 from engine.cache.manager import CacheManager
@@ -397,6 +398,7 @@ class ChainCache:
             "kv_tokens": int(mgr.seq_lengths(session_id).sum()) if on_gpu else 0,
             "kv_pages": mgr.num_pages(session_id) if on_gpu else 0,
             "cold_tokens": self.controller.recall.cold_tokens(session_id) if on_gpu else 0,
+            "recall_traffic": asdict(self.controller.recall.turn_report(session_id)),  # the last turn's copies
             "pruned_tokens": chain.pruned_tokens,
             "prune_log": list(chain.prune_log),
             "shared_prefix_tokens": chain.seq.protected_len,

@@ -215,7 +215,7 @@ class TextDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "reused_tokens", "prefilled_tokens", "pruned_tokens", "generated_tokens", "time_to_first_token_s", "source_tier", "history_tokens", "kv_tokens", "timing")
+    __slots__ = ("prompt_tokens", "reused_tokens", "prefilled_tokens", "pruned_tokens", "generated_tokens", "time_to_first_token_s", "source_tier", "history_tokens", "kv_tokens", "timing", "recall")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +226,7 @@ class Usage(_message.Message):
     HISTORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    RECALL_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     reused_tokens: int
     prefilled_tokens: int
@@ -236,7 +237,22 @@ class Usage(_message.Message):
     history_tokens: int
     kv_tokens: int
     timing: TurnTiming
-    def __init__(self, prompt_tokens: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., pruned_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., source_tier: _Optional[_Union[Tier, str]] = ..., history_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., timing: _Optional[_Union[TurnTiming, _Mapping]] = ...) -> None: ...
+    recall: RecallTraffic
+    def __init__(self, prompt_tokens: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., pruned_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., source_tier: _Optional[_Union[Tier, str]] = ..., history_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., timing: _Optional[_Union[TurnTiming, _Mapping]] = ..., recall: _Optional[_Union[RecallTraffic, _Mapping]] = ...) -> None: ...
+
+class RecallTraffic(_message.Message):
+    __slots__ = ("d2h_bytes", "h2d_bytes", "pages_fetched", "recalled_tokens", "recalls")
+    D2H_BYTES_FIELD_NUMBER: _ClassVar[int]
+    H2D_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FETCHED_FIELD_NUMBER: _ClassVar[int]
+    RECALLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECALLS_FIELD_NUMBER: _ClassVar[int]
+    d2h_bytes: int
+    h2d_bytes: int
+    pages_fetched: int
+    recalled_tokens: int
+    recalls: int
+    def __init__(self, d2h_bytes: _Optional[int] = ..., h2d_bytes: _Optional[int] = ..., pages_fetched: _Optional[int] = ..., recalled_tokens: _Optional[int] = ..., recalls: _Optional[int] = ...) -> None: ...
 
 class TurnTiming(_message.Message):
     __slots__ = ("waiting_s", "swap_in_s", "recompute_s", "prefill_s", "decode_s", "decode_stall_s", "other_s", "total_s", "recompute_tokens")
