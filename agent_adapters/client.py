@@ -48,7 +48,7 @@ import grpc
 
 from agent_adapters.messages import ChatMessage, MessageLike, TextDelta, ToolCall, ToolLike, TurnEvent, TurnResult
 from agent_adapters.retry import ChainKVError, RetryPolicy, StreamDiverged, _Attempts
-from agent_adapters.turns import METHOD_FIELDS, SAMPLING_FIELDS, _Resume, build_turn_request
+from agent_adapters.turns import HINT_FIELDS, METHOD_FIELDS, SAMPLING_FIELDS, _Resume, build_turn_request
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
 
@@ -302,6 +302,7 @@ class AsyncChainKVClient(_Base):
 
 
 __all__ = [
+    "HINT_FIELDS",
     "METHOD_FIELDS",
     "SAMPLING_FIELDS",
     "AsyncChainKVClient",

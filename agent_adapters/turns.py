@@ -40,6 +40,10 @@ SAMPLING_FIELDS = (
     "repetition_penalty",
 )
 METHOD_FIELDS = ("method", "budget", "budget_ratio", "method_args", "shared_prefix_messages")
+HINT_FIELDS = ("priority", "pin_ttl_s", "release")
+"""Agent hints (engine/chain/hints.py): ``priority`` (an integer in [-100, 100], higher served first),
+``pin_ttl_s`` (keep the session on the accelerator this many seconds after the turn, while the
+agent's tool runs) or ``release=True`` (the agent is done for now)."""
 
 
 def build_turn_request(
@@ -53,13 +57,15 @@ def build_turn_request(
 ) -> pb.TurnRequest:
     """A TurnRequest; ``options`` are the sampling fields (max_tokens, temperature, top_k, top_p,
     seed, stop, ignore_eos, presence_penalty, frequency_penalty, repetition_penalty) and the session's method fields (method, budget, budget_ratio,
-    method_args, shared_prefix_messages) and the output fields (response_format, tool_choice: see
-    ``agent_adapters.output_format``). None values are left unset (the server's defaults)."""
-    unknown = set(options) - set(SAMPLING_FIELDS) - set(METHOD_FIELDS) - set(OUTPUT_FIELDS)
+    method_args, shared_prefix_messages), the output fields (response_format, tool_choice: see
+    ``agent_adapters.output_format``) and the agent hints (``HINT_FIELDS``). None values are left
+    unset (the server's defaults)."""
+    known = SAMPLING_FIELDS + METHOD_FIELDS + OUTPUT_FIELDS + HINT_FIELDS
+    unknown = set(options) - set(known)
     if unknown:
-        raise TypeError(
-            f"unknown Turn option(s) {sorted(unknown)}; known: {SAMPLING_FIELDS + METHOD_FIELDS + OUTPUT_FIELDS}"
-        )
+        raise TypeError(f"unknown Turn option(s) {sorted(unknown)}; known: {known}")
+    if options.get("pin_ttl_s") is not None and options.get("release"):
+        raise ValueError("a turn cannot both pin its session and release it")
     req = pb.TurnRequest(
         session_id=session_id,
         request_id=uuid.uuid4().hex if request_id is None else request_id,
@@ -79,6 +85,13 @@ def build_turn_request(
             req.response_format.CopyFrom(response_format_proto(value))
         elif key == "tool_choice":
             req.tool_choice.CopyFrom(tool_choice_proto(value))
+        elif key == "priority":
+            req.agent_hints.priority = value
+        elif key == "pin_ttl_s":
+            req.session_control.action, req.session_control.ttl_seconds = "pin", value
+        elif key == "release":
+            if value:
+                req.session_control.action = "release"
         else:
             setattr(req, key, value)
     return req

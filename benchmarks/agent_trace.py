@@ -17,6 +17,9 @@ sessions at a time, once per configuration (``--configs``, comma-separated):
                    PruneHistory drops the KV of tool spans at least ``--tool-prune-lag`` turns old
   METHOD+recall    the method's ``+recall`` variant: what it evicts stays recallable in host memory
                    (engine/recall.py); combines with +prune
+  CONFIG+hints     the same sending agent hints as an agent framework would (benchmarks/agent_hints.py):
+                   a priority, a pin while each tool runs, a release with the last turn; ``--hints``
+                   adds a +hints twin of every chain configuration, so both run side by side
 
 A method the sidecar does not know (GetServerInfo lists them) is skipped with a message.
 Per configuration: time to first token per turn (client side, by turn index), time per output
@@ -38,6 +41,9 @@ by ``--prep-tokenizer`` from the local SmolLM2 conversion; the model gets its vo
 
     python benchmarks/agent_trace.py --device cpu --num-pages 40000 --max-model-len 8192 \
         --prefill-chunk-size 512 --out benchmarks/results/agent_trace_cpu.json   # the CPU run (SmolLM2)
+    python benchmarks/agent_trace.py --device cpu --num-pages 40000 --max-model-len 8192 \
+        --prefill-chunk-size 512 --configs dense,snapkv --hints \
+        --out benchmarks/results/agent_trace_cpu_hints.json                     # with and without hints
     benchmarks/agent_trace_gpu.sh          # the H200 run (see its header)
 """
 
@@ -61,7 +67,9 @@ sys.path.insert(0, str(ROOT))
 
 from agent_adapters.client import AsyncChainKVClient  # noqa: E402
 from agent_adapters.messages import TextDelta, TurnResult  # noqa: E402
+from benchmarks.agent_hints import HintPolicy, send_turn  # noqa: E402
 from benchmarks.serving_profile import ServingProfile, print_report  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -124,18 +132,33 @@ class Config:
     chain: bool
     method: str
     prune: bool
+    hints: bool = False
 
     @classmethod
     def parse(cls, name: str) -> "Config":
         base, *extras = name.split("+")
-        if any(e not in ("prune", "recall") for e in extras) or len(set(extras)) < len(extras):
-            raise SystemExit(f"unknown configuration suffix in {name!r} (+recall, +prune)")
+        if any(e not in ("prune", "recall", "hints") for e in extras) or len(set(extras)) < len(extras):
+            raise SystemExit(f"unknown configuration suffix in {name!r} (+recall, +prune, +hints)")
         if base == "nochain":
             if extras:
-                raise SystemExit("nochain has no cached history to prune or recall")
+                raise SystemExit("nochain has no session to prune, recall or send hints for")
             return cls(name, False, "dense", False)
         method = base + ("+recall" if "recall" in extras else "")
-        return cls(name, True, method, "prune" in extras)
+        return cls(name, True, method, "prune" in extras, "hints" in extras)
+
+
+def config_names(configs: str, hints: bool) -> list[str]:
+    """The configurations of ``--configs``; with ``hints``, each chain configuration followed by its
+    ``+hints`` twin (side by side in one run)."""
+    names = [c.strip() for c in configs.split(",") if c.strip()]
+    if not hints:
+        return names
+    out = []
+    for n in names:
+        out.append(n)
+        if n != "nochain" and "hints" not in n.split("+") and n + "+hints" not in names:
+            out.append(n + "+hints")
+    return out
 
 
 async def one_turn(client: AsyncChainKVClient, session_id: str, messages: list[dict], opts: dict) -> dict:
@@ -171,6 +194,8 @@ async def one_turn(client: AsyncChainKVClient, session_id: str, messages: list[d
 
 async def run_config(client: AsyncChainKVClient, cfg: Config, trace, thinks, args, tag: str) -> list[dict]:
     sem = asyncio.Semaphore(args.concurrency)
+    max_ttl = EngineConfig.max_pin_ttl_s if args.max_pin_ttl_s is None else args.max_pin_ttl_s  # the server's
+    policy = HintPolicy(args.hint_priority, args.pin_slack_s, max_ttl)
     rows: list[dict] = []
     base = {"max_tokens": args.output_tokens, "ignore_eos": True, "temperature": 0.0}
     method = {"method": cfg.method}
@@ -186,10 +211,13 @@ async def run_config(client: AsyncChainKVClient, cfg: Config, trace, thinks, arg
                 if thinks[i][k]:
                     await asyncio.sleep(thinks[i][k])
                 if cfg.chain:
-                    row = await one_turn(client, sid, msgs, {**base, **(method if k == 0 else {})})
+                    opts = {**base, **(method if k == 0 else {})}
+                    hints = policy.for_turn(k, thinks[i]) if cfg.hints else None
+                    row, hints = await send_turn(lambda extra: one_turn(client, sid, msgs, {**opts, **extra}), hints)
+                    row["hints"] = None if hints is None else hints.record()
                 else:
                     turn_sid = f"{sid}-t{k}"
-                    row = await one_turn(client, turn_sid, transcript + msgs, base)
+                    row = {**await one_turn(client, turn_sid, transcript + msgs, base), "hints": None}
                     await client.end_session(turn_sid)
                 transcript += msgs + [{"role": "assistant", "content": row.pop("text")}]
                 if cfg.prune and k >= 1:
@@ -246,6 +274,7 @@ def summarize(cfg: str, rows: list[dict], makespan: float) -> dict:
         ),
         "ttft_by_turn_s": [statistics.fmean(r["ttft_s"] for r in rows if r["turn"] == t) for t in turns],
         "recall": recall_traffic(rows),
+        "hints_sent": _hints_sent(rows),
     }
 
 
@@ -273,11 +302,26 @@ def recall_bandwidth(row: dict, h2d_gb_s: float, d2h_gb_s: float) -> dict:
     }
 
 
+def _hints_sent(rows: list[dict]) -> dict | None:
+    """How many turns carried each hint (None: the configuration sent none)."""
+    sent = [r["hints"] for r in rows if r["hints"] is not None]
+    if not sent:
+        return None
+    return {
+        "turns": len(sent),
+        "priority": sum(h["priority"] is not None for h in sent),
+        "pins": sum(h["pin_ttl_s"] is not None for h in sent),
+        "pins_refused": sum(h["pin_refused"] for h in sent),
+        "releases": sum(h["release"] for h in sent),
+        "mean_pin_ttl_s": statistics.fmean([h["pin_ttl_s"] for h in sent if h["pin_ttl_s"] is not None] or [0.0]),
+    }
+
+
 async def replay(target: str, args, params: TraceParams, profile=None, on_update=None) -> dict:
     """Replay the trace once per configuration; ``on_update(result)`` after each one (a run cut
     short keeps what it finished)."""
     trace, thinks = make_trace(params)
-    configs = [Config.parse(c.strip()) for c in args.configs.split(",") if c.strip()]
+    configs = [Config.parse(c) for c in config_names(args.configs, args.hints)]
     summaries, all_rows, skipped = [], [], []
     result: dict = {}
     async with AsyncChainKVClient(target, timeout_s=args.turn_timeout_s) as client:
@@ -422,6 +466,15 @@ def main() -> None:
         "--tool-prune-lag", type=int, default=1, help="+prune: drop tool spans at least this many turns old"
     )
     ap.add_argument("--turn-timeout-s", type=float, default=600.0)
+    ap.add_argument(
+        "--hints",
+        action="store_true",
+        help="add a +hints twin of every chain configuration (benchmarks/agent_hints.py)",
+    )
+    ap.add_argument("--hint-priority", type=int, default=1, help="+hints: the priority every turn carries")
+    ap.add_argument(
+        "--pin-slack-s", type=float, default=1.0, help="+hints: a pin's TTL is the tool's run time plus this"
+    )
     for f in TraceParams.__dataclass_fields__.values():
         ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
     ap.add_argument(

@@ -213,6 +213,13 @@ def line_chart_svg(
     return "\n".join(out)
 
 
+def _hints_text(sent: dict | None) -> str:
+    if not sent:
+        return "-"
+    refused = f" ({sent['pins_refused']} refused)" if sent["pins_refused"] else ""
+    return f"{sent['pins']} pins{refused}, {sent['releases']} releases, priority on {sent['priority']}"
+
+
 def agent_trace_section(d: dict, stem: str) -> str:
     where = d.get("device", "?")
     model = d["model"] + (f" (random {d['random_weights']} weights)" if d.get("random_weights") else "")
@@ -224,6 +231,7 @@ def agent_trace_section(d: dict, stem: str) -> str:
             later_ttft_ms=(r["mean_ttft_later_turns_s"] or 0) * 1e3,
             p90_ttft_ms=r["p90_ttft_s"] * 1e3,
             tpot_ms=r["mean_tpot_s"] * 1e3,
+            hints=_hints_text(r.get("hints_sent")),
         )
         for r in d["rows"]
     ]
@@ -248,6 +256,8 @@ def agent_trace_section(d: dict, stem: str) -> str:
             ("speedup_vs_dense", "x dense chain (busy)"),
             ("makespan_speedup_vs_dense", "x dense chain (makespan)"),
         ]
+    if any(r.get("hints_sent") for r in rows):  # +hints configurations (benchmarks/agent_hints.py)
+        cols.append(("hints", "hints sent"))
     title = f"Agent traces over gRPC ({'GPU' if 'gpu' in stem else 'CPU'})"
     if stem not in ("agent_trace_cpu", "agent_trace_gpu"):
         title += f": {stem}"

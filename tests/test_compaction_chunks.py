@@ -1,7 +1,8 @@
 """Compaction a chunk of rows at a time (engine/cache/compaction.py, ``COMPACTION_CHUNK_BYTES``):
 a batch's compaction keeps the same tokens and frees the same pages as one carried out at once, in
 every page format, forks (copy-on-write) included; and its working memory stays under the chunk
-budget however large the batch grows. No model: fast."""
+budget however large the batch grows, forks of one prompt that all rewrite a shared page included
+(engine/cache/compaction_plan.py). No model: fast."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import engine.cache.compaction as compaction
+from engine.cache.errors import OutOfPages
 from engine.cache.formats import make_format
 from engine.cache.manager import CacheManager
 from engine.cache.pages import PagePool
@@ -39,16 +41,16 @@ def fill(mgr: CacheManager, seq, n: int, seed: int) -> None:
         mgr.pool.write_tokens(slots[layer], torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g))
 
 
-def batch(fmt: str, args, num_seqs: int, forks: int = 0):
+def batch(fmt: str, args, num_seqs: int, forks: int = 0, one_parent: bool = False):
     """``num_seqs`` sequences of 60..127 tokens (the last ``forks`` of them forks of the first ones,
-    each grown past the fork by its own tokens)."""
+    or all of sequence 0 with ``one_parent``, each grown past the fork by its own tokens)."""
     pool, mgr = make(fmt, args, num_seqs)
     for i in range(num_seqs - forks):
         mgr.open(i)
         fill(mgr, i, 60 + (i * 37) % 68, seed=i)
     for j in range(forks):
         child = num_seqs - forks + j
-        mgr.fork(j, child)
+        mgr.fork(0 if one_parent else j, child)
         n = int(mgr.lengths[mgr.slot(child)].max())
         slots = mgr.append([child], [5], torch.arange(n, n + 5))
         g = torch.Generator().manual_seed(1000 + j)
@@ -89,26 +91,45 @@ def state(pool: PagePool, mgr: CacheManager, seqs):
     return out, free, pool.refcount.clone()
 
 
-def compact_all(monkeypatch, fmt, args, budget, forks):
+def same_pages_up_to_ids(a: CacheManager, b: CacheManager) -> None:
+    """The two managers' tables use their pages alike: a one-to-one renaming of page ids takes one's
+    tables and reference counts to the other's, and as many pages are free."""
+    held = a.tables >= 0
+    assert torch.equal(held, b.tables >= 0)
+    pairs = torch.stack([a.tables[held].long(), b.tables[held].long()], 1).unique(dim=0)
+    assert pairs[:, 0].unique().numel() == pairs[:, 1].unique().numel() == len(pairs)  # a bijection
+    assert torch.equal(a.pool.refcount[pairs[:, 0]], b.pool.refcount[pairs[:, 1]])
+    assert a.pool.num_free == b.pool.num_free
+
+
+def compact_all(monkeypatch, fmt, args, budget, forks, one_parent=False):
     monkeypatch.setattr(compaction, "COMPACTION_CHUNK_BYTES", budget)
-    pool, mgr = batch(fmt, args, 12, forks)
+    pool, mgr = batch(fmt, args, 12, forks, one_parent)
     seqs = list(range(12))
     result = mgr.compact_mask(*decisions(mgr, seqs))
     return result, state(pool, mgr, seqs), mgr
 
 
-@pytest.mark.parametrize("forks", [0, 3])
+@pytest.mark.parametrize("forks,one_parent", [(0, False), (3, False), (8, True)])
 @pytest.mark.parametrize("fmt,args", FORMATS)
-def test_chunked_compaction_keeps_and_frees_what_one_compaction_does(monkeypatch, fmt, args, forks):
-    whole, (kv_whole, free_whole, refs_whole), _ = compact_all(monkeypatch, fmt, args, 1 << 40, forks)
+def test_chunked_compaction_keeps_and_frees_what_one_compaction_does(monkeypatch, fmt, args, forks, one_parent):
+    """Forked rows too move a chunk at a time (``one_parent``: 9 rows of each layer and head share the
+    parent's first page, which all of them rewrite: one group larger than the budget). A chunk may
+    copy a page that one compaction would have written in place (compaction_plan.py), so with forks
+    the page ids may differ; how the pages are used may not."""
+    whole, (kv_whole, free_whole, refs_whole), mgr_whole = compact_all(
+        monkeypatch, fmt, args, 1 << 40, forks, one_parent
+    )
     chunks = []
     real = compaction._move
     monkeypatch.setattr(compaction, "_move", lambda m, k, idx, rows: (chunks.append(len(idx)), real(m, k, idx, rows)))
-    small, (kv_small, free_small, refs_small), mgr = compact_all(monkeypatch, fmt, args, 4096, forks)
-    assert len(chunks) > 10 and max(chunks[: -1 if forks else None]) <= 2  # really carried out in chunks
-    assert whole.tokens_removed > 0 and whole.pages_freed > 0
+    small, (kv_small, free_small, refs_small), mgr = compact_all(monkeypatch, fmt, args, 4096, forks, one_parent)
+    assert len(chunks) > 10 and max(chunks) <= 2  # really carried out in chunks, forked rows too
+    assert whole.tokens_removed > 0 and (whole.pages_freed > 0 or one_parent)  # 8 forks copy more than they free
     assert (small.pages_freed, small.tokens_removed) == (whole.pages_freed, whole.tokens_removed)
-    assert free_small == free_whole and torch.equal(refs_small, refs_whole)
+    same_pages_up_to_ids(mgr, mgr_whole)
+    if not forks:  # nothing copied: the very same pages
+        assert free_small == free_whole and torch.equal(refs_small, refs_whole)
     assert kv_small.keys() == kv_whole.keys()
     for key, (k, v, pos) in kv_whole.items():
         ks, vs, ps = kv_small[key]
@@ -181,3 +202,46 @@ def test_streaming_llm_decode_mask_built_a_few_sequences_at_a_time(monkeypatch):
     t = torch.arange(decided.mask.shape[-1])
     n = lengths[due][..., None]
     assert torch.equal(decided.mask, (t < 4) | ((t >= n - 16) & (t < n)))
+
+
+@pytest.mark.parametrize("one_parent", [False, True])
+def test_forked_rows_compaction_working_memory_stays_under_the_budget_as_the_forks_grow(monkeypatch, one_parent):
+    """Half the batch are forks (of their own parents, or all of sequence 0: then every row of a
+    layer and head rewrites the one shared first page, a group far past the budget); the largest
+    allocation stays under the budget while the forked rows and their moved tokens grow."""
+    budget = 64 << 10
+    monkeypatch.setattr(compaction, "COMPACTION_CHUNK_BYTES", budget)
+    largest = {}
+    for num_seqs in (4, 16, 48):
+        pool, mgr = batch("plain", (), num_seqs, num_seqs // 2, one_parent)
+        seqs = list(range(num_seqs))
+        slots, layers, heads, keep, protect = decisions(mgr, seqs)
+        forked = slots >= mgr.slot(num_seqs - num_seqs // 2)
+        moved, take = [], pool.format.take_tokens
+        monkeypatch.setattr(pool.format, "take_tokens", lambda src: (moved.append(src.numel()), take(src))[1])
+        copied, copy = [], pool.copy_pages
+        monkeypatch.setattr(pool, "copy_pages", lambda src, dst: (copied.append(src.numel()), copy(src, dst))[1])
+        with LargestAllocation() as mem:
+            result = mgr.compact_mask(slots, layers, heads, keep, protect)
+        assert result.tokens_removed > 0 and sum(copied) >= int(forked.sum()) // 2  # forks really rewrite shared pages
+        largest[num_seqs] = mem.largest
+        if num_seqs == 48:  # the batch's moved K/V alone is many budgets: only chunks fit
+            assert sum(moved) * 2 * D * 4 > 8 * budget
+    assert max(largest.values()) <= budget, largest
+
+
+def test_compaction_short_of_copy_on_write_pages_changes_nothing():
+    """Forks that must copy their shared pages, with no page free: refused before any row moves
+    (the plan's page accounting is replayed first), whatever the tails would free later."""
+    pool, mgr = batch("plain", (), 12, 8, one_parent=True)
+    seqs = list(range(12))
+    decided = decisions(mgr, seqs)
+    pool.alloc(pool.num_free)
+    before = state(pool, mgr, seqs)
+    tables = mgr.tables.clone()
+    with pytest.raises(OutOfPages):
+        mgr.compact_mask(*decided)
+    after = state(pool, mgr, seqs)
+    assert torch.equal(mgr.tables, tables) and after[1] == before[1] and torch.equal(after[2], before[2])
+    for key, (k, v, pos) in before[0].items():
+        assert all(torch.equal(x, y) for x, y in zip(after[0][key], (k, v, pos))), key

@@ -26,8 +26,8 @@ from typing import Hashable, Mapping, Sequence, Union
 
 import torch
 
-from engine.cache.errors import OutOfPages
-from engine.cache.transfer import ceil_div, to_device
+from engine.cache.compaction_plan import RowPages, Rows, check_pages, chunks, sharing_groups
+from engine.cache.transfer import to_device
 
 
 Keep = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -82,9 +82,10 @@ def _set(mask: torch.Tensor, row: torch.Tensor, col: torch.Tensor, device) -> No
 COMPACTION_CHUNK_BYTES = 512 << 20
 """Working memory a compaction takes at a time on the pool's device: its rows are carried out in
 chunks whose masks, indices and moved tokens fit in this (at least one row a chunk), so a batch's
-compaction needs no more temporary memory however large the batch. Only rows that write pages a
-fork shares move together, in one chunk of their own. Gathering every moved token of a batch at
-once asked for 52 GiB (425 streaming_llm sessions of Llama-3.1-8B at a 2,048 budget)."""
+compaction needs no more temporary memory however large the batch, forks sharing pages included
+(engine/cache/compaction_plan.py: rows that share written pages move in whole groups where a group
+fits, a chunk at a time where it does not). Gathering every moved token of a batch at once asked for
+52 GiB (425 streaming_llm sessions of Llama-3.1-8B at a 2,048 budget)."""
 
 _CELL_BYTES = 32
 """Working memory per token position of a chunk's rows: the clipped mask, its int64 ranks and
@@ -93,24 +94,6 @@ comparisons, and the rows' page tables and page masks (fewer entries than positi
 _INDEX_BYTES = 96
 """Working memory per moved token besides its K/V (``KVFormat.moved_token_bytes``): its source and
 destination slots, row, column and rank (int64)."""
-
-
-@dataclass
-class _Rows:
-    """Rows of one compaction (host int64 ``[n]`` each): the cache row, its length, its protected
-    leading tokens and, once counted, its new length and its leading run."""
-
-    slots: torch.Tensor
-    layers: torch.Tensor
-    heads: torch.Tensor
-    old: torch.Tensor
-    protect: torch.Tensor | None
-    new: torch.Tensor | None = None
-    lead: torch.Tensor | None = None
-
-    def __getitem__(self, idx) -> "_Rows":
-        pick = lambda x: None if x is None else x[idx]  # noqa: E731
-        return _Rows(*(pick(getattr(self, f)) for f in ("slots", "layers", "heads", "old", "protect", "new", "lead")))
 
 
 def compact(
@@ -135,14 +118,14 @@ def compact(
         raise ValueError(f"the keep mask covers {T} tokens; a row holds {int(old.max())}")
     if protect is not None and not bool((protect > 0).any()):
         protect = None
-    rows = _Rows(slots, layers, heads, old, None if protect is None else protect.long())
+    rows = Rows(slots, layers, heads, old, None if protect is None else protect.long())
     budget, row_bytes = COMPACTION_CHUNK_BYTES, T * _CELL_BYTES
     every_row = torch.full((R,), row_bytes)
 
     # each row's kept count and leading run (the tokens before its first evicted one, which stay
     # put): chunk by chunk on the device, then the one device -> host copy
     parts = []
-    for a, b in _chunks(every_row, budget):
+    for a, b in chunks(every_row, budget):
         k = _clipped(keep[a:b], rows[a:b])
         parts.append(torch.stack([k.sum(1), (~k).int().cumsum(1).eq(0).sum(1)]))
     stats = torch.cat(parts, 1).cpu()
@@ -151,57 +134,44 @@ def compact(
     if changed.numel() == 0:
         return CompactionResult()
 
-    # the pages each row frees and writes; refuse before changing anything when the copy-on-write
-    # pages cannot be had (they can come from the tails this frees)
-    cow = tails = 0
-    shares = torch.zeros(changed.numel(), dtype=torch.bool)  # the row writes a page another owner reads
-    for a, b in _chunks(every_row[changed], budget):
-        pages = _Pages(manager, rows[changed[a:b]])
-        cow += int(pages.written_shared.sum())
-        tails += int(pages.tail.sum())
-        shares[a:b] = pages.written_shared.any(1)
-    if cow > pool.num_free + tails:
-        raise OutOfPages(f"compaction needs {cow} copy-on-write pages, {pool.num_free} free")
+    # the rows that write a page another owner reads (copy-on-write, or a page another row's freed
+    # tail holds) and the pages they write so: those rows move after the others, grouped with the
+    # rows they share those pages with (engine/cache/compaction_plan.py says why that is safe)
+    copies = torch.zeros(changed.numel(), dtype=torch.long)
+    linked = torch.zeros(pool.num_pages, dtype=torch.bool)
+    for a, b in chunks(every_row[changed], budget):
+        pages = RowPages(manager, rows[changed[a:b]])
+        copies[a:b] = pages.written_shared.sum(1)
+        linked[pages.table[pages.written_shared]] = True
+    shares = copies > 0
+    cost = row_bytes + (rows.new - rows.lead)[changed] * (pool.format.moved_token_bytes + _INDEX_BYTES)
+    cost += copies * pool.format.bytes_per_page  # the page copies
+    own = changed[~shares]  # rows that write only pages of their own: no other row reads those pages
+    plan = [own[a:b] for a, b in chunks(cost[~shares], budget)]
+    if bool(shares.any()):
+        plan += sharing_groups(manager, rows, changed[shares], linked, cost[shares], budget)
+        check_pages(manager, rows, plan)  # refuse before changing anything when pages would lack
 
     sink = getattr(manager, "evict_sink", None)
     if sink is not None and sink.capturing:  # the recall tier keeps what is evicted (engine/recall.py)
-        for a, b in _chunks(every_row[changed], budget):
+        for a, b in chunks(every_row[changed], budget):
             sub = rows[changed[a:b]]
             k = _clipped(keep[to_device(changed[a:b], keep.device)], sub)
-            sink.capture(sub.slots, sub.layers, sub.heads, ~k & _inside(k, sub), _Pages(manager, sub).table)
+            sink.capture(sub.slots, sub.layers, sub.heads, ~k & _inside(k, sub), RowPages(manager, sub).table)
     free_before = pool.num_free
-    # rows that write only pages of their own move a chunk at a time: no other row reads those pages
-    own = changed[~shares]
-    moved = (rows.new - rows.lead)[own] * (pool.format.moved_token_bytes + _INDEX_BYTES)
-    for a, b in _chunks(row_bytes + moved, budget):
-        _move(manager, keep, own[a:b], rows)
-    # rows that write pages a fork shares (copy-on-write, or a page another row's freed tail held)
-    # move together, after the others: every token they move is read before any such page is written
-    if bool(shares.any()):
-        _move(manager, keep, changed[shares], rows)
+    for idx in plan:
+        _move(manager, keep, idx, rows)
     removed = (old - rows.new)[changed]
     return CompactionResult(pages_freed=pool.num_free - free_before, tokens_removed=int(removed.sum()))
 
 
-def _chunks(costs: torch.Tensor, budget: int) -> list[tuple[int, int]]:
-    """Consecutive spans ``[a, b)`` of rows whose ``costs`` (host) add up to at most ``budget``,
-    at least one row each."""
-    csum = costs.cumsum(0)
-    out, a, base = [], 0, 0
-    while a < len(costs):
-        b = max(a + 1, int(torch.searchsorted(csum, base + budget, right=True)))
-        out.append((a, b))
-        base, a = int(csum[b - 1]), b
-    return out
-
-
-def _inside(keep: torch.Tensor, rows: _Rows) -> torch.Tensor:
+def _inside(keep: torch.Tensor, rows: Rows) -> torch.Tensor:
     """``[n, T]``: the positions each row holds."""
     t = torch.arange(keep.shape[1], device=keep.device)
     return t[None, :] < to_device(rows.old, keep.device)[:, None]
 
 
-def _clipped(keep: torch.Tensor, rows: _Rows) -> torch.Tensor:
+def _clipped(keep: torch.Tensor, rows: Rows) -> torch.Tensor:
     """The rows' keep mask cut to each row's length, its protected tokens kept."""
     t = torch.arange(keep.shape[1], device=keep.device)
     k = keep & (t[None, :] < to_device(rows.old, keep.device)[:, None])
@@ -210,23 +180,7 @@ def _clipped(keep: torch.Tensor, rows: _Rows) -> torch.Tensor:
     return k
 
 
-class _Pages:
-    """The page lists of some rows (host) and which of their entries the compaction frees (``tail``:
-    past the new end) and rewrites (``written``: from the leading run's page to the new end)."""
-
-    def __init__(self, manager, rows: _Rows):
-        P = manager.page_size
-        maxp = max(1, int(ceil_div(int(rows.old.max()), P)))
-        self.table = manager.tables[rows.slots, rows.layers, rows.heads, :maxp].long()
-        col = torch.arange(maxp)[None, :]
-        new_np, old_np = ceil_div(rows.new, P)[:, None], ceil_div(rows.old, P)[:, None]
-        held = self.table >= 0
-        self.tail = (col >= new_np) & (col < old_np) & held
-        self.written = (col >= (rows.lead // P)[:, None]) & (col < new_np) & held
-        self.written_shared = self.written & (manager.pool.refcount[self.table.clamp(min=0)] > 1)
-
-
-def _move(manager, keep: torch.Tensor, idx: torch.Tensor, rows: _Rows) -> None:
+def _move(manager, keep: torch.Tensor, idx: torch.Tensor, rows: Rows) -> None:
     """Carry out the rows ``idx`` (indices into ``rows`` and ``keep``): their kept tokens at or after
     the leading run move to index ``j`` (their rank among the row's kept tokens) in one gather and
     one scatter, their tails go back to the pool, and the pages they write that another owner still
@@ -236,7 +190,7 @@ def _move(manager, keep: torch.Tensor, idx: torch.Tensor, rows: _Rows) -> None:
         return
     rows = rows[idx]
     k = _clipped(keep[to_device(idx, keep.device)], rows)
-    pages = _Pages(manager, rows)
+    pages = RowPages(manager, rows)
     table, tail = pages.table, pages.tail
 
     # device: sources of the tokens that move and their ranks
