@@ -15,6 +15,7 @@ from engine.chain import SessionNotFound
 from sidecar.engine_client import EngineClient, PruneSpec
 from sidecar.engine_results import PruneResult
 from sidecar.hooks import ServerHooks
+from sidecar.session_ids import SessionKey
 from sidecar.sessions import SessionManager
 
 
@@ -32,7 +33,7 @@ async def prune_session(
     Raises SessionNotFound, SessionBusy, PruneRuleError (a span outside the history)."""
     s = await sessions.get_settled(key, create=False, deadline=deadline)
     if not s.in_engine:
-        raise SessionNotFound(f"no session {key.split('/')[-1]!r}")
+        raise SessionNotFound(f"no session {SessionKey.id_of(key)!r}")
     running = sessions.begin_turn(s, "")
     removed = pruned = 0
     result = None

@@ -37,6 +37,7 @@ from engine.chain import SessionBusy, SessionError, SessionNotFound, TurnIndexMi
 from engine.lifecycle import MethodError
 from sidecar.engine_client import EngineClient
 from sidecar.ended_sessions import EndedSessions
+from sidecar.session_ids import SessionKey
 from sidecar.engine_results import SessionInfo
 from sidecar.session_record import Running, Session, recorded_in
 from sidecar.snapshot_codec import join_snapshot
@@ -131,7 +132,7 @@ class SessionManager:
                 if not s.stale and s.committed_generation is not None and stored.generation <= s.committed_generation:
                     return s  # the store holds nothing newer than this replica
                 if s.busy:
-                    raise SessionBusy(f"a turn is already running on session {key.split('/')[-1]!r}")
+                    raise SessionBusy(f"a turn is already running on session {SessionKey.id_of(key)!r}")
                 await self._drop_local(s)
             return await self._load(key)
 
@@ -169,7 +170,7 @@ class SessionManager:
             except asyncio.TimeoutError:
                 return s
             if not running.settling:  # it finished (or a fork or prune did): this request came while it ran
-                raise SessionBusy(f"a turn is already running on session {key.split('/')[-1]!r}")
+                raise SessionBusy(f"a turn is already running on session {SessionKey.id_of(key)!r}")
             # rolled back, the session released (or dropped: a first turn that never ran): look it up again
 
     def _store_behind(self, s: Session, stored) -> bool:
@@ -199,7 +200,7 @@ class SessionManager:
         """Neither this replica nor the store holds turn ``expected`` after the wait: the error to raise.
         A Turn (``create``) learns where the session really is: the newer of this replica's copy and the
         store's (0 where neither has one)."""
-        sid = key.split("/")[-1]
+        sid = SessionKey.id_of(key)
         here = local is not None and local.in_engine and not local.stale
         if create:
             have = max(local.turn_index if here else 0, e.have or 0)
@@ -225,7 +226,7 @@ class SessionManager:
         if s is not None and not s.stale:
             return s
         if not create:
-            raise SessionNotFound(f"no session {key.split('/')[-1]!r}")
+            raise SessionNotFound(f"no session {SessionKey.id_of(key)!r}")
         s = Session(key=key)
         self._sessions[key] = s
         return s
@@ -245,13 +246,13 @@ class SessionManager:
                 return stored  # a retry of a turn the store recorded: its reply is replayed
             if have is not None and have > expected:
                 raise TurnIndexMismatch(
-                    f"session {key.split('/')[-1]!r} is at turn {have}, not {expected}", have, expected
+                    f"session {SessionKey.id_of(key)!r} is at turn {have}, not {expected}", have, expected
                 )
             if have == expected:
                 return stored
             if time.monotonic() >= wait_until:
                 raise StoreBehind(
-                    f"the store holds turn {have} of session {key.split('/')[-1]!r}, not turn {expected} yet; retry",
+                    f"the store holds turn {have} of session {SessionKey.id_of(key)!r}, not turn {expected} yet; retry",
                     have,
                 )
             await asyncio.sleep(delay)
@@ -261,7 +262,7 @@ class SessionManager:
         """Load a committed session into the engine (its KV if usable, else its history)."""
         stored = await asyncio.to_thread(self.store.load, key, True)
         if stored is None:
-            raise SessionNotFound(f"no session {key.split('/')[-1]!r}")
+            raise SessionNotFound(f"no session {SessionKey.id_of(key)!r}")
         snap, kv_error = await asyncio.to_thread(join_snapshot, stored)
         fingerprint = self.engine.model.fingerprint
         if snap.kv is not None and snap.meta.get("fingerprint") != fingerprint:
@@ -271,7 +272,9 @@ class SessionManager:
         try:
             info = await self.engine.load(snap)
         except MethodError as e:  # KV this replica cannot continue: refuse rather than guess
-            raise SessionError(f"session {key.split('/')[-1]!r} uses a method this replica cannot run: {e}") from None
+            raise SessionError(
+                f"session {SessionKey.id_of(key)!r} uses a method this replica cannot run: {e}"
+            ) from None
         s = Session(
             key=key,
             in_engine=True,
@@ -304,9 +307,9 @@ class SessionManager:
     # --- turns ----------------------------------------------------------------------------------------
     def begin_turn(self, s: Session, request_id: str, digest: str = "") -> Running:
         if s.busy:
-            raise SessionBusy(f"a turn is already running on session {s.key.split('/')[-1]!r}")
+            raise SessionBusy(f"a turn is already running on session {SessionKey.id_of(s.key)!r}")
         if s.ended:
-            raise SessionNotFound(f"session {s.key.split('/')[-1]!r} was ended")
+            raise SessionNotFound(f"session {SessionKey.id_of(s.key)!r} was ended")
         s.running = Running(request_id, asyncio.get_running_loop().create_future(), digest=digest)
         return s.running
 
@@ -343,7 +346,7 @@ class SessionManager:
                 await flush(key)
                 if s.snapshot_pending:
                     raise StoreUnavailable(
-                        f"the snapshot of {key.split('/')[-1]!r} could not be written: {s.snapshot_error}"
+                        f"the snapshot of {SessionKey.id_of(key)!r} could not be written: {s.snapshot_error}"
                     )
             s.ended = True
             if s.running is not None:
@@ -357,7 +360,7 @@ class SessionManager:
             async with lock:
                 deleted = await asyncio.to_thread(self.store.delete, key)
         if not here and not deleted and not keep_snapshot:
-            raise SessionNotFound(f"no session {key.split('/')[-1]!r}")
+            raise SessionNotFound(f"no session {SessionKey.id_of(key)!r}")
         if not keep_snapshot:
             self.ended.add(key)
         return here, deleted

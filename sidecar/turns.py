@@ -44,7 +44,7 @@ from sidecar.errors import SequenceFailed, TurnAborted
 from sidecar.hooks import ServerHooks
 from sidecar.limits import QuotaExceeded, TenantLimits
 from sidecar.protocol import FINISH, TIERS, Limits, TurnArgs, parse_turn, tool_call_proto
-from sidecar.session_ids import scoped_key
+from sidecar.session_ids import SessionKey
 from sidecar.session_record import Running, Session
 from sidecar.sessions import SessionManager
 from sidecar.structured import OutputSpecError, tools_from_meta
@@ -137,7 +137,7 @@ class TurnRunner:
         tool calls, then the completion, as ``chainkv.v1.TurnEvent`` messages. ``digest``: the
         request's content digest (a request_id reused for other content is refused)."""
         args.params.max_tokens = self.tenant_limits.check_max_tokens(tenant, args.params.max_tokens, max_tokens_given)
-        key = scoped_key(tenant, args.session_id)
+        key = str(SessionKey.of(tenant, args.session_id))
         self.check_quota(tenant, key)
         if args.hints is not None and args.hints.pin_ttl_s is not None:
             self.tenant_limits.check_pin(tenant, self.sessions.all(), exclude=key, now=time.monotonic())
@@ -225,7 +225,7 @@ class TurnRunner:
             )
         else:
             rendered = await asyncio.to_thread(self.renderer.continuation, args.messages, s.ends_with_eot)
-        self.tenant_limits.check_prompt(TenantLimits.tenant_of(key), len(rendered.token_ids))
+        self.tenant_limits.check_prompt(SessionKey.tenant_of(key), len(rendered.token_ids))
         stream = await self.client.start_turn(
             key,
             EngineTurn(
@@ -236,7 +236,7 @@ class TurnRunner:
                 expected_turn_index=args.expected_turn_index,
                 shared_prefix=rendered.shared_prefix,
                 new_session=new,
-                prefix_scope="" if args.public_prefix else f"tenant:{TenantLimits.tenant_of(key)}",
+                prefix_scope="" if args.public_prefix else f"tenant:{SessionKey.tenant_of(key)}",
                 hints=args.hints,
             ),
         )

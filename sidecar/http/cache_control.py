@@ -41,6 +41,7 @@ from sidecar.http.chat_completions import ChatCompletions, parse_messages, trans
 from sidecar.http.conversations import transcript_digest
 from sidecar.http.errors import OpenAIError, invalid
 from sidecar.http.prune_jobs import PruneJobs
+from sidecar.session_ids import SessionKey
 from sidecar.session_record import Session
 from sidecar.store import StoredSession
 
@@ -101,7 +102,7 @@ class CacheControl:
             key = next((k for k in map(self.chat.index.get, reversed(digests[1:])) if k is not None), None)
             if key is None:
                 return _match(None, 0, len(messages), 0, 0, None)
-            sid = key.rsplit("/", 1)[-1]
+            sid = SessionKey.id_of(key)
         s = await self._live(key)
         if s is not None:
             have, info = transcript_digest(s.front, s.turn_index), await self._info(key, sid)

@@ -38,6 +38,7 @@ from sidecar.http.conversations import (
     transcript_digest,
 )
 from sidecar.http.errors import from_exception, invalid
+from sidecar.session_ids import SessionKey
 from sidecar.protocol import InvalidRequest, message_dict
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_TOOL_CALLS: "tool_calls"}
@@ -182,7 +183,7 @@ class ChatCompletions:
                 and not s.busy
                 and transcript_digest(s.front, s.turn_index) == digests[k].hex()
             ):
-                here = _Plan(key.rsplit("/", 1)[-1], key, k, s.turn_index, explicit=False)
+                here = _Plan(SessionKey.id_of(key), key, k, s.turn_index, explicit=False)
                 break
         longer = [k for k in candidates if here is None or k > here.start]
         if longer and self.stored is not None:  # the store's, for a longer prefix (another replica's turns)
@@ -205,7 +206,7 @@ class ChatCompletions:
         if s is None or s.busy or _continues(s, digests, messages) != k:
             return None
         self.index.put(found.key, digests[k])
-        return _Plan(found.key.rsplit("/", 1)[-1], found.key, k, s.turn_index, explicit=False)
+        return _Plan(SessionKey.id_of(found.key), found.key, k, s.turn_index, explicit=False)
 
 
 def _continues(s, digests: list[bytes], messages: list) -> int | None:
@@ -279,7 +280,8 @@ class _Run:
                     raise
                 # the matched session moved on or is busy: run this conversation as a new session
                 sid = "chat-" + uuid.uuid4().hex
-                plan = _Plan(sid, plan.key.rsplit("/", 1)[0] + "/" + sid if "/" in plan.key else sid, 0, None, False)
+                key = SessionKey.of(SessionKey.tenant_of(plan.key), sid)
+                plan = _Plan(sid, str(key), 0, None, False)
 
     def _remember(self, plan: _Plan, s, c: pb.TurnCompletion) -> None:
         """The session's transcript now ends with this reply (called before the turn's snapshot is
