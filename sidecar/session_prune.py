@@ -9,8 +9,6 @@ marked dirty and the hooks told. The session is released whatever happens.
 
 from __future__ import annotations
 
-from typing import Callable
-
 from engine.chain import SessionNotFound
 from sidecar.engine_client import EngineClient, PruneSpec
 from sidecar.engine_results import PruneResult
@@ -25,7 +23,6 @@ async def prune_session(
     key: str,
     specs: list[PruneSpec],
     *,
-    mark_dirty: Callable[[str], None],
     hooks: ServerHooks,
     deadline: float | None = None,
 ) -> PruneResult:
@@ -47,7 +44,7 @@ async def prune_session(
         if pruned:
             info = result.session if result is not None else await client.session_info(key)
             s.update(info, sessions.end_of_turn_id)
-            mark_dirty(key)
+            sessions.mark_dirty(key)
             hooks.on_prune(pruned, removed)
     session = result.session if result is not None else await client.session_info(key)
     return PruneResult(removed=removed, pruned_tokens=pruned, session=session)

@@ -86,8 +86,7 @@ class TurnRunner:
         limits: Limits,
         tenant_limits: TenantLimits,
         hooks: ServerHooks,
-        mark_dirty: Callable[[str], None],
-        commit_turn: Callable | None = None,
+        sync_commit: bool = False,
     ):
         self.client = client
         self.sessions = sessions
@@ -95,9 +94,9 @@ class TurnRunner:
         self.limits = limits
         self.tenant_limits = tenant_limits
         self.hooks = hooks
-        self.mark_dirty = mark_dirty
-        self.commit_turn = commit_turn
-        """durability sync: ``await commit_turn(session, running, completion)`` before the completion is sent."""
+        self.sync_commit = sync_commit
+        """durability sync: the turn's snapshot is written (``SessionManager.commit_turn``) before its
+        completion is sent."""
         self.settling: set[asyncio.Task] = set()
         """Releases of turns whose callers went away, still running."""
 
@@ -281,9 +280,9 @@ class TurnRunner:
         state.completion = completion.SerializeToString()
         if state.on_complete is not None:
             state.on_complete(s, completion)
-        if self.commit_turn is not None:
-            await self.commit_turn(s, state.running, state.completion)
-        self.mark_dirty(key)
+        if self.sync_commit:
+            await self.sessions.commit_turn(s, state.running, state.completion)
+        self.sessions.mark_dirty(key)
         self.hooks.on_turn(completion, time.monotonic() - state.started_at)
         yield pb.TurnEvent(completion=completion)
 
@@ -310,7 +309,7 @@ class TurnRunner:
             changed = info.generation != s.generation
             s.update(info, self.sessions.end_of_turn_id)
             if changed:
-                self.mark_dirty(key)
+                self.sessions.mark_dirty(key)
         self.sessions.end_turn(s, state.running, None)
 
 
