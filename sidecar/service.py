@@ -37,6 +37,7 @@ from sidecar.session_ids import BadSessionId, check_id, scoped_key
 from sidecar.session_prune import prune_session
 from sidecar.session_record import Session
 from sidecar.sessions import SessionManager
+from sidecar.turn_request import from_proto
 from sidecar.turns import TurnRunner
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,8 @@ class SidecarService:
         code = grpc.StatusCode.CANCELLED
         try:
             tenant = self._begin(request, context)
-            async with contextlib.aclosing(self.turns.run(tenant, request, self._deadline(context))) as events:
+            turn = self.turns.run(tenant, from_proto(request), self._deadline(context))
+            async with contextlib.aclosing(turn) as events:
                 async for event in events:
                     await context.write(event)
             code = grpc.StatusCode.OK

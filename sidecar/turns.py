@@ -49,7 +49,8 @@ from sidecar.session_record import Running, Session
 from sidecar.sessions import SessionManager
 from sidecar.structured import OutputSpecError, tools_from_meta
 from sidecar.tool_calls import PlainText, ToolCallParser
-from sidecar.validation import check_same_request, request_digest
+from sidecar.turn_request import TurnRequest
+from sidecar.validation import check_same_request
 
 log = logging.getLogger(__name__)
 
@@ -103,19 +104,19 @@ class TurnRunner:
     async def run(
         self,
         tenant: str,
-        request: pb.TurnRequest,
+        request: TurnRequest,
         deadline: float | None,
         on_complete: Callable[[Session, pb.TurnCompletion], None] | None = None,
     ) -> AsyncIterator[pb.TurnEvent]:
-        """The events of one Turn RPC for ``tenant``; raises what ``status_for`` turns into a code.
-        ``on_complete``: see ``TurnState.on_complete``."""
+        """The events of one turn for ``tenant`` (from either front: gRPC's Turn, the HTTP APIs);
+        raises what ``status_for`` turns into a code. ``on_complete``: see ``TurnState.on_complete``."""
         args = parse_turn(request, self.limits)
         turn = self.run_args(
             tenant,
             args,
             deadline,
-            max_tokens_given=request.HasField("max_tokens"),
-            digest=request_digest(request),
+            max_tokens_given=request.max_tokens is not None,
+            digest=request.digest,
             on_complete=on_complete,
         )
         async with contextlib.aclosing(turn):  # closed with this one: its turn is released at once

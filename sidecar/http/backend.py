@@ -1,7 +1,7 @@
 """The HTTP front's one way onto the sidecar's sessions (the seam to swap for an engine client).
 
-A turn from either OpenAI API becomes a ``chainkv.v1.TurnRequest`` run by the sidecar's
-``TurnRunner`` (over its ``EngineClient``), as gRPC's Turn is, so both fronts share everything behind it: tenant-scoped session keys, quotas, loading a
+A turn from either OpenAI API becomes a typed ``sidecar.turn_request.TurnRequest`` run by the
+sidecar's ``TurnRunner`` (over its ``EngineClient``), as gRPC's Turn is, so both fronts share everything behind it: tenant-scoped session keys, quotas, loading a
 session from the store, rendering only the new messages, structured output, streaming, rolling back a
 turn whose caller went away, and write-behind snapshots. The bearer token is checked by the same
 ``Authenticator`` as gRPC metadata, so an HTTP token and a gRPC token of one tenant see the same
@@ -26,6 +26,7 @@ from sidecar.session_record import Session
 from sidecar.structured import OutputSpecError
 from sidecar.store import StoredSession
 from sidecar.transcript_index import Found, StoredTranscripts
+from sidecar.turn_request import TurnRequest
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class SessionBackend:
     async def turn(
         self,
         authorization: str | None,
-        request: pb.TurnRequest,
+        request: TurnRequest,
         on_complete=None,
         fields: Mapping[str, str] | None = None,
     ) -> AsyncIterator[pb.TurnEvent]:

@@ -31,7 +31,6 @@ import math
 from typing import Any
 
 from engine.chain import SessionNotFound
-from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.engine_client import PruneSpec
 from sidecar.engine_results import PruneRecord, SessionInfo
 from sidecar.http import cache_requests as cr
@@ -44,6 +43,7 @@ from sidecar.http.prune_jobs import PruneJobs
 from sidecar.session_ids import SessionKey
 from sidecar.session_record import Session
 from sidecar.store import StoredSession
+from sidecar.turn_request import TurnRequest
 
 TIERS = {"active": "gpu", "idle": "gpu", "host": "host", "history": "history"}
 
@@ -90,7 +90,7 @@ class CacheControl:
         if not isinstance(chat, dict):
             raise invalid("chat must be an object holding messages", "chat")
         messages = parse_messages(chat.get("messages"))
-        base = pb.TurnRequest()
+        base = TurnRequest()
         rq.set_tools(base, chat.get("tools"), nested=True)
         rq.set_extension(base, chat)
         _, digests = transcript_digests(tenant, messages, base)

@@ -13,6 +13,7 @@ with ``chain_id`` speaks SparseEngine's chain protocol instead of naming or matc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import time
@@ -39,6 +40,7 @@ from sidecar.http.conversations import (
 )
 from sidecar.http.errors import from_exception, invalid
 from sidecar.session_ids import SessionKey
+from sidecar.turn_request import Message, ToolCall, TurnRequest
 from sidecar.protocol import InvalidRequest, message_dict
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_TOOL_CALLS: "tool_calls"}
@@ -46,7 +48,7 @@ MAX_MESSAGES = 4096
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
-def parse_messages(raw: Any) -> list[pb.Message]:
+def parse_messages(raw: Any) -> list[Message]:
     if not isinstance(raw, list) or not raw:
         raise invalid("messages must be a non-empty list", "messages")
     if len(raw) > MAX_MESSAGES:
@@ -57,7 +59,7 @@ def parse_messages(raw: Any) -> list[pb.Message]:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise invalid(f"{where}.role must be one of {', '.join(ROLES)}", "messages")
         role = ROLES[m["role"]]
-        msg = pb.Message(role=role, content=rq.text_content(m.get("content"), where, ("text", "refusal")))
+        msg = Message(role=role, content=rq.text_content(m.get("content"), where, ("text", "refusal")))
         if isinstance(m.get("name"), str):
             msg.name = m["name"][:256]
         if role == "tool":
@@ -74,7 +76,7 @@ def parse_messages(raw: Any) -> list[pb.Message]:
                     raise invalid(f"{where}.tool_calls[{j}] needs a function with a name", "messages")
                 call_id = c.get("id") if isinstance(c.get("id"), str) else ""
                 msg.tool_calls.append(
-                    pb.ToolCall(
+                    ToolCall(
                         id=call_id[:256],
                         name=fn["name"][:128],
                         arguments_json=rq.arguments_object(fn.get("arguments", "{}"), f"{where}.tool_calls[{j}]"),
@@ -84,7 +86,7 @@ def parse_messages(raw: Any) -> list[pb.Message]:
     return out
 
 
-def transcript_digests(tenant: str, messages: list[pb.Message], base: pb.TurnRequest) -> tuple[list[dict], list[bytes]]:
+def transcript_digests(tenant: str, messages: list[Message], base: TurnRequest) -> tuple[list[dict], list[bytes]]:
     """The messages as dicts, and the digest of each prefix of them (``out[k]``: ``messages[:k]``)
     for ``tenant`` with ``base``'s tools and method (sidecar/http/conversations.py)."""
     try:
@@ -95,8 +97,8 @@ def transcript_digests(tenant: str, messages: list[pb.Message], base: pb.TurnReq
     method = json.dumps(
         [
             base.method,
-            base.budget if base.HasField("budget") else None,
-            base.budget_ratio if base.HasField("budget_ratio") else None,
+            base.budget,
+            base.budget_ratio,
             sorted(base.method_args.items()),
         ]
     )
@@ -125,7 +127,7 @@ class ChatCompletions:
         if not isinstance(opts, dict):
             raise invalid("stream_options must be an object", "stream_options")
         messages = parse_messages(body.get("messages"))
-        base = pb.TurnRequest()
+        base = TurnRequest()
         rq.set_sampling(base, body, ("max_completion_tokens", "max_tokens"))
         rq.set_tools(base, body.get("tools"), nested=True)
         rq.set_tool_choice(base, body.get("tool_choice"), nested=True)
@@ -253,15 +255,15 @@ class _Run:
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
 
-    def _request(self, plan: _Plan) -> pb.TurnRequest:
-        req = pb.TurnRequest()
-        req.CopyFrom(self.base)
-        req.session_id = plan.session_id
-        req.messages.extend(self.messages[plan.start :])
-        if plan.start:  # a continuation: the tools are the session's
-            del req.tools[:]
-            req.expected_turn_index = plan.turn_index
-        return req
+    def _request(self, plan: _Plan) -> TurnRequest:
+        continuation = plan.start > 0  # the tools are the session's
+        return dataclasses.replace(
+            self.base,
+            session_id=plan.session_id,
+            messages=self.messages[plan.start :],
+            tools=[] if continuation else list(self.base.tools),
+            expected_turn_index=plan.turn_index if continuation else None,
+        )
 
     async def events(self) -> AsyncIterator[pb.TurnEvent]:
         plan, first = self.plan, True
