@@ -192,7 +192,7 @@ def serve_engine(engine, setup: ServeSetup, store: SessionStore | None) -> None:
         if http is not None:
             await http.stop()
         written = (server.writer.writes - writes) if server.writer is not None else 0
-        left = sum(s.snapshot_pending for s in server.sessions.all()) if server.store is not None else 0
+        left = sum(s.snapshot_pending for s in server.sessions.all()) if server.sessions.has_store else 0
         print(
             f"chainkv: drained {turns - server.sessions.active_turns} turn(s); wrote {written} snapshot(s)"
             + (f"; {left} snapshot(s) NOT written" if left else ""),

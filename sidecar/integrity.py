@@ -29,6 +29,7 @@ from pathlib import Path
 import msgpack
 
 from sidecar.store import Checksum
+from sidecar.session_ids import SessionKey
 from sidecar.store_errors import SnapshotRejected
 
 MIN_KEY_BYTES = 16
@@ -82,7 +83,7 @@ class SnapshotKeys:
     def check_meta(self, session_key: str, fields: dict) -> None:
         """Raise SnapshotRejected unless ``fields`` (as read back) carry a valid ``mac`` for ``session_key``."""
         tag = fields.get(MAC_FIELD, fields.get(MAC_FIELD.encode()))
-        name = session_key.split("/")[-1]
+        name = SessionKey.id_of(session_key)
         if tag is None:
             raise SnapshotRejected(f"the stored session {name!r} is not signed; refusing it (snapshot HMAC is on)")
         tag = tag.decode() if isinstance(tag, bytes) else str(tag)

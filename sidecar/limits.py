@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
+from sidecar.session_ids import SessionKey
 from sidecar.settings import setting
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -85,13 +86,11 @@ class TenantLimits:
         own = self.overrides.get(tenant, {})
         return own[name] if name in own else getattr(self, name)
 
-    @staticmethod
-    def tenant_of(key: str) -> str:
-        return key.rsplit("/", 1)[0] if "/" in key else ""
-
     def held(self, tenant: str, sessions: Iterable["Session"], exclude: str | None = None) -> int:
         return sum(
-            1 for s in sessions if (s.in_engine or s.busy) and s.key != exclude and self.tenant_of(s.key) == tenant
+            1
+            for s in sessions
+            if (s.in_engine or s.busy) and s.key != exclude and SessionKey.tenant_of(s.key) == tenant
         )
 
     def check_new_session(self, tenant: str, sessions: Iterable["Session"], exclude: str | None = None) -> None:
@@ -108,7 +107,9 @@ class TenantLimits:
         n = self.limit(tenant, "max_pinned_sessions_per_tenant")
         if n is None:
             return
-        held = sum(1 for s in sessions if s.key != exclude and s.pinned_until > now and self.tenant_of(s.key) == tenant)
+        held = sum(
+            1 for s in sessions if s.key != exclude and s.pinned_until > now and SessionKey.tenant_of(s.key) == tenant
+        )
         if held >= n:
             who = f"tenant {tenant!r}" if tenant else "this sidecar"
             raise QuotaExceeded(

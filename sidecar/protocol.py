@@ -1,7 +1,8 @@
-"""gRPC messages <-> engine arguments: request validation and reply building.
+"""Turn requests -> engine arguments, engine state -> gRPC messages: request validation and reply building.
 
-Everything a client can get wrong is checked here, before the engine sees it, and raised as
-``InvalidRequest`` (INVALID_ARGUMENT). Engine state (``SessionInfo`` from the engine client, and
+Everything a client can get wrong in a turn (a ``sidecar.turn_request.TurnRequest``, from either
+front) is checked here, before the engine sees it, and raised as ``InvalidRequest``
+(INVALID_ARGUMENT). Engine state (``SessionInfo`` from the engine client, and
 store records) becomes ``chainkv.v1.Session`` messages here too.
 """
 
@@ -27,6 +28,7 @@ from sidecar.limits import TurnTooLarge
 from sidecar.settings import setting
 from sidecar.validation import JsonTooDeep, check_turn_bytes, loads_bounded
 from sidecar.structured import OutputSpec, OutputSpecError
+from sidecar.turn_request import Message, TurnRequest
 
 TIERS = {
     "new": pb.TIER_NEW,
@@ -84,7 +86,7 @@ class TurnArgs:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_turn(req: pb.TurnRequest, limits: Limits) -> TurnArgs:
+def parse_turn(req: TurnRequest, limits: Limits) -> TurnArgs:
     try:
         check_id(req.session_id)
         if req.request_id:
@@ -97,6 +99,7 @@ def parse_turn(req: pb.TurnRequest, limits: Limits) -> TurnArgs:
         raise InvalidRequest(f"{len(req.messages)} messages in one turn; at most {limits.max_messages}")
     if len(req.tools) > limits.max_tools or len(req.stop) > limits.max_stop:
         raise InvalidRequest(f"at most {limits.max_tools} tools and {limits.max_stop} stop strings")
+    check_unicode(req)
     if limits.max_turn_bytes is not None:
         try:
             check_turn_bytes(req, limits.max_turn_bytes)
@@ -111,20 +114,20 @@ def parse_turn(req: pb.TurnRequest, limits: Limits) -> TurnArgs:
         raise InvalidRequest("tool names must be unique")
     try:
         params = SamplingParams(
-            max_tokens=req.max_tokens if req.HasField("max_tokens") else limits.default_max_tokens,
-            temperature=req.temperature if req.HasField("temperature") else 0.0,
-            top_k=req.top_k if req.HasField("top_k") else 0,
-            top_p=req.top_p if req.HasField("top_p") else 1.0,
-            seed=req.seed if req.HasField("seed") else None,
+            max_tokens=_or(req.max_tokens, limits.default_max_tokens),
+            temperature=_or(req.temperature, 0.0),
+            top_k=_or(req.top_k, 0),
+            top_p=_or(req.top_p, 1.0),
+            seed=req.seed,
             stop=list(req.stop),
             ignore_eos=req.ignore_eos,
-            presence_penalty=req.presence_penalty if req.HasField("presence_penalty") else 0.0,
-            frequency_penalty=req.frequency_penalty if req.HasField("frequency_penalty") else 0.0,
-            repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
+            presence_penalty=_or(req.presence_penalty, 0.0),
+            frequency_penalty=_or(req.frequency_penalty, 0.0),
+            repetition_penalty=_or(req.repetition_penalty, 1.0),
         )
     except SamplingError as e:
         raise InvalidRequest(str(e)) from None
-    expected = req.expected_turn_index if req.HasField("expected_turn_index") else None
+    expected = req.expected_turn_index
     if expected is not None and expected < 0:
         raise InvalidRequest("expected_turn_index must be >= 0")
     return TurnArgs(
@@ -135,32 +138,55 @@ def parse_turn(req: pb.TurnRequest, limits: Limits) -> TurnArgs:
         expected_turn_index=expected,
         params=params,
         method=method_spec(req),
-        shared_prefix_messages=req.shared_prefix_messages if req.HasField("shared_prefix_messages") else None,
+        shared_prefix_messages=req.shared_prefix_messages,
         public_prefix=req.public_prefix,
         output=output_spec(req),
         hints=session_hints(req),
     )
 
 
+def check_unicode(req: TurnRequest) -> None:
+    """Every string of the turn is text UTF-8 can carry: a JSON body (the HTTP front) can hold a lone
+    surrogate, which a gRPC message cannot. InvalidRequest otherwise."""
+    rf, tc, control = req.response_format, req.tool_choice, req.session_control
+    strings = [req.method, *req.method_args, *req.method_args.values(), *req.stop, rf.type, rf.json_schema, rf.regex]
+    strings += [rf.grammar, tc.mode, tc.function_name, control.action if control is not None else ""]
+    for m in req.messages:
+        strings += [m.role, m.content, m.name, m.tool_call_id]
+        strings += [x for c in m.tool_calls for x in (c.id, c.name, c.arguments_json)]
+    strings += [x for t in req.tools for x in (t.name, t.description, t.parameters_json)]
+    for text in strings:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequest(
+                "the turn's text holds a lone surrogate (U+D800-U+DFFF), which is not Unicode text"
+            ) from None
+
+
+def _or(value, default):
+    """An optional field's value, or its default when it is not set."""
+    return default if value is None else value
+
+
 PIN_ACTIONS = ("", "pin", "release")
 
 
-def session_hints(req: pb.TurnRequest) -> SessionHints | None:
+def session_hints(req: TurnRequest) -> SessionHints | None:
     """The request's agent hints, checked as far as the request alone allows (the engine checks the
     TTL against its ``max_pin_ttl_s`` and the pool's pin share)."""
-    has_hints, has_control = req.HasField("agent_hints"), req.HasField("session_control")
-    if not has_hints and not has_control:
+    if req.agent_hints is None and req.session_control is None:
         return None
-    control = req.session_control
-    if control.action not in PIN_ACTIONS:
-        raise InvalidRequest(f"session_control.action must be pin, release or empty, not {control.action[:64]!r}")
-    ttl = control.ttl_seconds if control.HasField("ttl_seconds") else None
-    if (control.action == "pin") != (ttl is not None):
+    action = req.session_control.action if req.session_control is not None else ""
+    if action not in PIN_ACTIONS:
+        raise InvalidRequest(f"session_control.action must be pin, release or empty, not {action[:64]!r}")
+    ttl = req.session_control.ttl_seconds if req.session_control is not None else None
+    if (action == "pin") != (ttl is not None):
         raise InvalidRequest('session_control.ttl_seconds goes with action "pin", and "pin" needs it')
     hints = SessionHints(
-        priority=req.agent_hints.priority if req.agent_hints.HasField("priority") else None,
+        priority=req.agent_hints.priority if req.agent_hints is not None else None,
         pin_ttl_s=ttl,
-        release=control.action == "release",
+        release=action == "release",
     )
     try:
         hints.check(math.inf)
@@ -169,7 +195,7 @@ def session_hints(req: pb.TurnRequest) -> SessionHints | None:
     return hints
 
 
-def output_spec(req: pb.TurnRequest) -> OutputSpec:
+def output_spec(req: TurnRequest) -> OutputSpec:
     rf, tc = req.response_format, req.tool_choice
     try:
         return OutputSpec(
@@ -184,7 +210,7 @@ def output_spec(req: pb.TurnRequest) -> OutputSpec:
         raise InvalidRequest(str(e)) from None
 
 
-def message_dict(m: pb.Message) -> dict[str, Any]:
+def message_dict(m: Message) -> dict[str, Any]:
     if m.role not in ROLES:
         raise InvalidRequest(f"unknown message role {m.role!r}; use one of {', '.join(ROLES)}")
     out: dict[str, Any] = {"role": m.role, "content": m.content}
@@ -208,9 +234,9 @@ def message_dict(m: pb.Message) -> dict[str, Any]:
     return out
 
 
-def method_spec(req) -> MethodSpec | None:
+def method_spec(req: TurnRequest) -> MethodSpec | None:
     """The request's MethodSpec, or None when it names no method settings."""
-    given = req.method or req.HasField("budget") or req.HasField("budget_ratio") or len(req.method_args)
+    given = req.method or req.budget is not None or req.budget_ratio is not None or len(req.method_args)
     if not given:
         return None
     if not req.method:
@@ -219,12 +245,7 @@ def method_spec(req) -> MethodSpec | None:
         cls = get_method_class(req.method)
         args = dict(req.method_args)
         build_params(cls, args)
-        return MethodSpec(
-            req.method,
-            req.budget if req.HasField("budget") else None,
-            req.budget_ratio if req.HasField("budget_ratio") else None,
-            args,
-        )
+        return MethodSpec(req.method, req.budget, req.budget_ratio, args)
     except MethodError as e:
         raise InvalidRequest(str(e)) from None
 

@@ -12,11 +12,14 @@ This module is the sidecar's front door; the parts live one concept to a file:
 - ``sidecar.server_thread.ServerThread``: a SidecarServer on a background thread;
 - ``sidecar.engine_client.EngineClient``: the only door to the engine thread (typed results in
   ``sidecar.engine_results``);
-- ``sidecar.service.SidecarService``: the servicer; ``sidecar.turns.TurnRunner``: one Turn's life;
+- ``sidecar.service.SidecarService``: the servicer; ``sidecar.turns.TurnRunner``: one Turn's life,
+  from the typed ``sidecar.turn_request.TurnRequest`` both fronts build;
 - ``sidecar.errors.status_for``: exceptions -> status codes;
 - ``sidecar.endpoint.GrpcEndpoint``: listening, TLS, health and reflection;
-- ``sidecar.sessions.SessionManager`` (session id -> chain, ordering, idempotency, loading from the
-  store), ``sidecar.snapshots.SnapshotWriter`` (write-behind snapshots), ``sidecar.chat`` and
+- ``sidecar.session_ids.SessionKey`` (a tenant's session and its stored key form),
+  ``sidecar.sessions.SessionManager`` (session id -> chain, ordering, idempotency, the store's one
+  owner), ``sidecar.snapshots.SnapshotWriter`` (write-behind snapshots, given to the manager),
+  ``sidecar.session_janitor`` (ending expired and freeing idle sessions), ``sidecar.chat`` and
   ``sidecar.tool_calls`` (chat in, tool calls out), ``sidecar.auth`` (bearer token -> tenant);
 - ``sidecar.hooks.ServerHooks``: callbacks at each RPC, turn and snapshot, for metrics.
 """

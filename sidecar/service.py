@@ -2,7 +2,8 @@
 
 Each RPC checks the caller (auth, draining, a failed engine), scopes the session id by tenant,
 and hands the work to the piece that owns it: ``TurnRunner`` for Turn, ``SessionManager`` for
-finding, loading and ending sessions, ``EngineClient`` for engine state. Every exception leaves
+finding, loading and ending sessions and for everything in the store, ``EngineClient`` for engine
+state. Every exception leaves
 through ``sidecar.errors.status_for``; ``ServerHooks.on_rpc`` sees each call's final code.
 
 A request whose bytes do not parse as its message gets INVALID_ARGUMENT (the deserializer hands
@@ -11,12 +12,11 @@ the handler a ``BadMessage`` instead of failing inside gRPC, which would answer 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
 import time
-from typing import Awaitable, Callable
+from typing import Callable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -37,7 +37,7 @@ from sidecar.session_ids import BadSessionId, check_id, scoped_key
 from sidecar.session_prune import prune_session
 from sidecar.session_record import Session
 from sidecar.sessions import SessionManager
-from sidecar.store import SessionStore
+from sidecar.turn_request import from_proto
 from sidecar.turns import TurnRunner
 
 log = logging.getLogger(__name__)
@@ -71,18 +71,12 @@ class SidecarService:
         turns: TurnRunner,
         options: ServerOptions,
         hooks: ServerHooks,
-        store: SessionStore | None,
-        mark_dirty: Callable[[str], None],
-        write_now: Callable[[str], Awaitable[None]],
         draining: Callable[[], bool],
     ):
         self.client = client
         self.sessions = sessions
         self.opts = options
         self.hooks = hooks
-        self.store = store
-        self.mark_dirty = mark_dirty
-        self.write_now = write_now
         self.draining = draining
         self.turns = turns
 
@@ -140,7 +134,7 @@ class SidecarService:
         return reply
 
     def _session_proto(self, session_id: str, info: SessionInfo, s: Session | None) -> pb.Session:
-        return session_proto(session_id, info, s, _tier(s, info) if s is not None else None, self.store is not None)
+        return session_proto(session_id, info, s, _tier(s, info) if s is not None else None, self.sessions.has_store)
 
     # --- Turn --------------------------------------------------------------------------------------------
     async def Turn(self, request, context):
@@ -152,7 +146,8 @@ class SidecarService:
         code = grpc.StatusCode.CANCELLED
         try:
             tenant = self._begin(request, context)
-            async with contextlib.aclosing(self.turns.run(tenant, request, self._deadline(context))) as events:
+            turn = self.turns.run(tenant, from_proto(request), self._deadline(context))
+            async with contextlib.aclosing(turn) as events:
                 async for event in events:
                     await context.write(event)
             code = grpc.StatusCode.OK
@@ -192,10 +187,9 @@ class SidecarService:
             if s.busy:  # a turn is taking it (being rendered, or rolled back)
                 info = dataclasses.replace(info, state="active")
             return self._session_proto(request.session_id, info, s)
-        if self.store is not None:
-            stored = await asyncio.to_thread(self.store.load, key, False)
-            if stored is not None:
-                return stored_session_proto(request.session_id, stored.record)
+        stored = await self.sessions.stored(key)
+        if stored is not None:
+            return stored_session_proto(request.session_id, stored.record)
         raise SessionNotFound(f"no session {request.session_id!r}")
 
     async def EndSession(self, request, context):
@@ -204,7 +198,7 @@ class SidecarService:
     async def _end_session(self, request, context):
         tenant = self._begin(request, context)
         key = scoped_key(tenant, request.session_id)
-        here, deleted = await self.sessions.end(key, request.keep_snapshot, self.write_now)
+        here, deleted = await self.sessions.end(key, request.keep_snapshot)
         return pb.EndSessionResponse(ended_here=here, deleted_from_store=deleted)
 
     async def ForkSession(self, request, context):
@@ -224,7 +218,7 @@ class SidecarService:
         existing = self.sessions.local(child_key)
         if existing is not None and (existing.in_engine or existing.busy):
             raise SessionExists(f"session {request.new_session_id!r} already exists")
-        if self.store is not None and await asyncio.to_thread(self.store.load, child_key, False) is not None:
+        if await self.sessions.stored(child_key) is not None:
             raise SessionExists(f"session {request.new_session_id!r} already exists (in the store)")
         self.opts.tenant_limits.check_new_session(tenant, self.sessions.all(), exclude=child_key)
         running = self.sessions.begin_turn(parent, "")
@@ -233,8 +227,8 @@ class SidecarService:
         finally:
             self.sessions.end_turn(parent, running, None)
         child = self.sessions.adopt(child_key, tools_digest=parent.tools_digest, info=info, tools=parent.tools)
-        self.mark_dirty(child_key)
-        return session_proto(request.new_session_id, info, child, has_store=self.store is not None)
+        self.sessions.mark_dirty(child_key)
+        return session_proto(request.new_session_id, info, child, has_store=self.sessions.has_store)
 
     async def PruneHistory(self, request, context):
         return await self._unary("PruneHistory", self._prune, request, context)
@@ -262,7 +256,6 @@ class SidecarService:
             self.client,
             key,
             [spec],
-            mark_dirty=self.mark_dirty,
             hooks=self.hooks,
             deadline=self._deadline(context),
         )
@@ -270,7 +263,7 @@ class SidecarService:
         return pb.PruneHistoryResponse(
             removed=result.removed,
             pruned_tokens=result.pruned_tokens,
-            session=session_proto(request.session_id, result.session, s, has_store=self.store is not None),
+            session=session_proto(request.session_id, result.session, s, has_store=self.sessions.has_store),
         )
 
     async def GetServerInfo(self, request, context):

@@ -9,12 +9,11 @@ marked dirty and the hooks told. The session is released whatever happens.
 
 from __future__ import annotations
 
-from typing import Callable
-
 from engine.chain import SessionNotFound
 from sidecar.engine_client import EngineClient, PruneSpec
 from sidecar.engine_results import PruneResult
 from sidecar.hooks import ServerHooks
+from sidecar.session_ids import SessionKey
 from sidecar.sessions import SessionManager
 
 
@@ -24,7 +23,6 @@ async def prune_session(
     key: str,
     specs: list[PruneSpec],
     *,
-    mark_dirty: Callable[[str], None],
     hooks: ServerHooks,
     deadline: float | None = None,
 ) -> PruneResult:
@@ -32,7 +30,7 @@ async def prune_session(
     Raises SessionNotFound, SessionBusy, PruneRuleError (a span outside the history)."""
     s = await sessions.get_settled(key, create=False, deadline=deadline)
     if not s.in_engine:
-        raise SessionNotFound(f"no session {key.split('/')[-1]!r}")
+        raise SessionNotFound(f"no session {SessionKey.id_of(key)!r}")
     running = sessions.begin_turn(s, "")
     removed = pruned = 0
     result = None
@@ -46,7 +44,7 @@ async def prune_session(
         if pruned:
             info = result.session if result is not None else await client.session_info(key)
             s.update(info, sessions.end_of_turn_id)
-            mark_dirty(key)
+            sessions.mark_dirty(key)
             hooks.on_prune(pruned, removed)
     session = result.session if result is not None else await client.session_info(key)
     return PruneResult(removed=removed, pruned_tokens=pruned, session=session)

@@ -1,7 +1,11 @@
 """SessionManager: session id -> the engine's chain, per-session ordering, idempotency, the store.
 
-Session keys (tenant-scoped ids) are ``sidecar.session_ids``; the per-session record the manager
-keeps (``Session``, ``Running``) is ``sidecar.session_record``.
+Session keys (tenant-scoped ids) are ``sidecar.session_ids.SessionKey``; the per-session record the
+manager keeps (``Session``, ``Running``) is ``sidecar.session_record``.
+
+The store's one owner. Every read of the session store (loading, ``stored``, the transcript index
+built on it) and every write (through its ``SnapshotWriter``, passed in: ``mark_dirty``,
+``write_now``, ``commit_turn``, ``end``) goes through the manager; the fronts never hold the store.
 
 Ordering. One turn runs on a session at a time: ``begin_turn`` takes the session and ``end_turn``
 releases it. A second Turn, a prune or a fork meanwhile waits for the running turn to end
@@ -31,16 +35,18 @@ import asyncio
 import logging
 import time
 import weakref
-from typing import Callable
-
 from engine.chain import SessionBusy, SessionError, SessionNotFound, TurnIndexMismatch
 from engine.lifecycle import MethodError
 from sidecar.engine_client import EngineClient
 from sidecar.ended_sessions import EndedSessions
+from sidecar.session_ids import SessionKey
 from sidecar.engine_results import SessionInfo
 from sidecar.session_record import Running, Session, recorded_in
 from sidecar.snapshot_codec import join_snapshot
-from sidecar.store import SessionStore, StoreError, StoreUnavailable
+from sidecar.snapshots import SnapshotWriter
+from sidecar.store import SessionStore, StoredSession, StoreUnavailable
+from sidecar.transcript_index import StoredTranscripts
+from sidecar import transcript_index
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +66,7 @@ class SessionManager:
         engine: EngineClient,
         store: SessionStore | None,
         *,
+        writer: SnapshotWriter | None = None,
         end_of_turn_id: int | None,
         idempotency_window: int = 32,
         resume_wait_s: float = 5.0,
@@ -69,6 +76,10 @@ class SessionManager:
         self.settle_wait_s = settle_wait_s
         """How long a request waits for the turn running on its session to end (``get_settled``)."""
         self.store = store
+        self.writer = writer
+        """Writes the sessions' snapshots behind their turns (None: no store, or none wanted)."""
+        if writer is not None:
+            writer.attach(self)
         self.end_of_turn_id = end_of_turn_id
         self.idempotency_window = idempotency_window
         self.resume_wait_s = resume_wait_s
@@ -77,9 +88,6 @@ class SessionManager:
         self.loads = {"store": 0, "recompute": 0}
         self.ended = EndedSessions()
         """Keys of the sessions ended or expired here (a chain client is told they are gone)."""
-        self.on_store_behind: Callable[[str], None] | None = None
-        """Called with a session's key when the store turns out to hold less than this replica
-        committed for it (the snapshot writer rewrites it)."""
 
     # --- lookup -----------------------------------------------------------------------------------
     def local(self, key: str) -> Session | None:
@@ -121,18 +129,18 @@ class SessionManager:
                 stored = await self._fetch(key, expected_turn_index, deadline, request_id=request_id)
             except StoreBehind as e:
                 raise self._behind_expected(key, s, e, expected_turn_index, create) from None
-            if s is not None and s.in_engine and not s.stale and self._store_behind(s, stored):
+            if s is not None and s.in_engine and not s.stale and self.store_behind(s, stored):
                 return s  # this replica holds more than the store: keep it (the store is rewritten)
             if stored is None:
                 if s is not None:
-                    await self._drop_local(s)
+                    await self.drop_local(s)
                 return self._new_or_missing(key, create)
             if s is not None:
                 if not s.stale and s.committed_generation is not None and stored.generation <= s.committed_generation:
                     return s  # the store holds nothing newer than this replica
                 if s.busy:
-                    raise SessionBusy(f"a turn is already running on session {key.split('/')[-1]!r}")
-                await self._drop_local(s)
+                    raise SessionBusy(f"a turn is already running on session {SessionKey.id_of(key)!r}")
+                await self.drop_local(s)
             return await self._load(key)
 
     async def get_settled(
@@ -169,10 +177,10 @@ class SessionManager:
             except asyncio.TimeoutError:
                 return s
             if not running.settling:  # it finished (or a fork or prune did): this request came while it ran
-                raise SessionBusy(f"a turn is already running on session {key.split('/')[-1]!r}")
+                raise SessionBusy(f"a turn is already running on session {SessionKey.id_of(key)!r}")
             # rolled back, the session released (or dropped: a first turn that never ran): look it up again
 
-    def _store_behind(self, s: Session, stored) -> bool:
+    def store_behind(self, s: Session, stored) -> bool:
         """The store holds less than this replica committed for ``s`` (it lost or rolled back data):
         note it, so the writer rewrites the store from this copy. True also when nothing was committed
         yet (the first snapshot is on its way)."""
@@ -188,8 +196,7 @@ class SessionManager:
             s.committed_generation,
         )
         s.committed_generation = have
-        if self.on_store_behind is not None:
-            self.on_store_behind(s.key)
+        self.mark_dirty(s.key)  # the writer rewrites the store from this copy
         return True
 
     @staticmethod
@@ -199,7 +206,7 @@ class SessionManager:
         """Neither this replica nor the store holds turn ``expected`` after the wait: the error to raise.
         A Turn (``create``) learns where the session really is: the newer of this replica's copy and the
         store's (0 where neither has one)."""
-        sid = key.split("/")[-1]
+        sid = SessionKey.id_of(key)
         here = local is not None and local.in_engine and not local.stale
         if create:
             have = max(local.turn_index if here else 0, e.have or 0)
@@ -225,7 +232,7 @@ class SessionManager:
         if s is not None and not s.stale:
             return s
         if not create:
-            raise SessionNotFound(f"no session {key.split('/')[-1]!r}")
+            raise SessionNotFound(f"no session {SessionKey.id_of(key)!r}")
         s = Session(key=key)
         self._sessions[key] = s
         return s
@@ -245,13 +252,13 @@ class SessionManager:
                 return stored  # a retry of a turn the store recorded: its reply is replayed
             if have is not None and have > expected:
                 raise TurnIndexMismatch(
-                    f"session {key.split('/')[-1]!r} is at turn {have}, not {expected}", have, expected
+                    f"session {SessionKey.id_of(key)!r} is at turn {have}, not {expected}", have, expected
                 )
             if have == expected:
                 return stored
             if time.monotonic() >= wait_until:
                 raise StoreBehind(
-                    f"the store holds turn {have} of session {key.split('/')[-1]!r}, not turn {expected} yet; retry",
+                    f"the store holds turn {have} of session {SessionKey.id_of(key)!r}, not turn {expected} yet; retry",
                     have,
                 )
             await asyncio.sleep(delay)
@@ -261,7 +268,7 @@ class SessionManager:
         """Load a committed session into the engine (its KV if usable, else its history)."""
         stored = await asyncio.to_thread(self.store.load, key, True)
         if stored is None:
-            raise SessionNotFound(f"no session {key.split('/')[-1]!r}")
+            raise SessionNotFound(f"no session {SessionKey.id_of(key)!r}")
         snap, kv_error = await asyncio.to_thread(join_snapshot, stored)
         fingerprint = self.engine.model.fingerprint
         if snap.kv is not None and snap.meta.get("fingerprint") != fingerprint:
@@ -271,7 +278,9 @@ class SessionManager:
         try:
             info = await self.engine.load(snap)
         except MethodError as e:  # KV this replica cannot continue: refuse rather than guess
-            raise SessionError(f"session {key.split('/')[-1]!r} uses a method this replica cannot run: {e}") from None
+            raise SessionError(
+                f"session {SessionKey.id_of(key)!r} uses a method this replica cannot run: {e}"
+            ) from None
         s = Session(
             key=key,
             in_engine=True,
@@ -289,7 +298,8 @@ class SessionManager:
             log.warning("session %s: %s; it will be rebuilt from its history", key, kv_error)
         return s
 
-    async def _drop_local(self, s: Session) -> None:
+    async def drop_local(self, s: Session) -> None:
+        """Forget ``s`` here and free its KV (its snapshot, if any, stays in the store)."""
         self._sessions.pop(s.key, None)
         if s.in_engine:
             await self.engine.end_session(s.key)
@@ -304,9 +314,9 @@ class SessionManager:
     # --- turns ----------------------------------------------------------------------------------------
     def begin_turn(self, s: Session, request_id: str, digest: str = "") -> Running:
         if s.busy:
-            raise SessionBusy(f"a turn is already running on session {s.key.split('/')[-1]!r}")
+            raise SessionBusy(f"a turn is already running on session {SessionKey.id_of(s.key)!r}")
         if s.ended:
-            raise SessionNotFound(f"session {s.key.split('/')[-1]!r} was ended")
+            raise SessionNotFound(f"session {SessionKey.id_of(s.key)!r} was ended")
         s.running = Running(request_id, asyncio.get_running_loop().create_future(), digest=digest)
         return s.running
 
@@ -332,18 +342,18 @@ class SessionManager:
         if not s.in_engine and not s.busy and self._sessions.get(s.key) is s:
             del self._sessions[s.key]  # a new session whose first turn never started
 
-    # --- ending, eviction -----------------------------------------------------------------------------
-    async def end(self, key: str, keep_snapshot: bool, flush) -> tuple[bool, bool]:
-        """End a session here (and delete its snapshot unless ``keep_snapshot``). ``flush`` writes
-        a session's snapshot now. Returns (ended here, deleted from the store)."""
+    # --- ending ------------------------------------------------------------------------------------
+    async def end(self, key: str, keep_snapshot: bool) -> tuple[bool, bool]:
+        """End a session here (and delete its snapshot unless ``keep_snapshot``, else write it now).
+        Returns (ended here, deleted from the store)."""
         s = self._sessions.get(key)
         here = s is not None and s.in_engine
         if s is not None:
             if keep_snapshot and here and self.store is not None and s.snapshot_pending:
-                await flush(key)
+                await self.write_now(key)
                 if s.snapshot_pending:
                     raise StoreUnavailable(
-                        f"the snapshot of {key.split('/')[-1]!r} could not be written: {s.snapshot_error}"
+                        f"the snapshot of {SessionKey.id_of(key)!r} could not be written: {s.snapshot_error}"
                     )
             s.ended = True
             if s.running is not None:
@@ -357,50 +367,77 @@ class SessionManager:
             async with lock:
                 deleted = await asyncio.to_thread(self.store.delete, key)
         if not here and not deleted and not keep_snapshot:
-            raise SessionNotFound(f"no session {key.split('/')[-1]!r}")
+            raise SessionNotFound(f"no session {SessionKey.id_of(key)!r}")
         if not keep_snapshot:
             self.ended.add(key)
         return here, deleted
 
-    async def evict_idle(self, idle_s: float) -> int:
-        """Free sessions idle for ``idle_s`` whose snapshot is committed (they resume from the store)."""
-        if self.store is None:
-            return 0
-        now = time.monotonic()
-        victims = [
-            s
-            for s in self._sessions.values()
-            if s.in_engine and not s.busy and not s.snapshot_pending and now - s.last_used > idle_s
-        ]
-        freed = 0
-        for s in victims:
-            try:  # free it only if the store still holds what this replica committed
-                stored = await asyncio.to_thread(self.store.load, s.key, False)
-            except StoreError as e:
-                log.warning("session %s kept here: its stored copy cannot be checked (%s)", s.key, e)
-                continue
-            if s.busy or s.stale or self._sessions.get(s.key) is not s or self._store_behind(s, stored):
-                continue
-            await self._drop_local(s)
-            freed += 1
-        return freed
+    # --- the store: snapshots written, records read ------------------------------------------------
+    @property
+    def has_store(self) -> bool:
+        return self.store is not None
 
-    async def expire_idle(self, ttl_s: float) -> int:
-        """End, on this replica, the sessions unused for ``ttl_s`` (their KV is freed; their stored
-        snapshot, if any, expires by the store's own TTL, as another replica may have continued the
-        session there). A session with a turn running, or a snapshot the store has yet to get, is kept."""
-        now = time.monotonic()
-        victims = [
-            s
-            for s in self._sessions.values()
-            if not s.busy and now - s.last_used > ttl_s and not (self.store is not None and s.snapshot_pending)
-        ]
-        for s in victims:
-            s.ended = True
-            await self._drop_local(s)
-            if self.store is None:  # nothing of it is left anywhere
-                self.ended.add(s.key)
-        return len(victims)
+    def start(self) -> None:
+        if self.writer is not None:
+            self.writer.start()
+
+    async def stop_writing(self, flush_timeout_s: float) -> None:
+        """Write the pending snapshots (at most ``flush_timeout_s``) and stop the writer."""
+        if self.writer is not None:
+            if not await self.writer.flush(flush_timeout_s):
+                log.warning("shutdown: %d session snapshot(s) not written", sum(s.snapshot_pending for s in self.all()))
+            await self.writer.stop()
+
+    def close_store(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+    def mark_dirty(self, key: str) -> None:
+        """The session changed: queue its snapshot."""
+        if self.writer is not None:
+            self.writer.mark_dirty(key)
+
+    async def write_now(self, key: str) -> None:
+        """Write the session's snapshot now, if the store is behind it."""
+        if self.writer is not None:
+            await self.writer.write(key)
+
+    async def commit_turn(self, s: Session, running: Running, completion: bytes) -> None:
+        """durability sync: record the turn and write its snapshot before its completion is sent."""
+        if self.writer is None:
+            return
+        self.record(s, running, completion)
+        await self.writer.write(s.key)
+        if s.snapshot_pending:
+            raise StoreUnavailable(
+                f"the turn finished but its snapshot was not written ({s.snapshot_error}); "
+                f"retry with the same request_id"
+            )
+
+    async def stored(self, key: str) -> StoredSession | None:
+        """The store's committed record of the session (no KV); None without a store or a record."""
+        if self.store is None:
+            return None
+        return await asyncio.to_thread(self.store.load, key, False)
+
+    def transcripts(self, front_key: str, turn_key: str) -> StoredTranscripts | None:
+        """The store's transcript index (sidecar/transcript_index.py), fed by each committed snapshot;
+        None without a store and its writer, or for a store kind without an index."""
+        if self.store is None or self.writer is None:
+            return None
+        try:
+            index = StoredTranscripts(self.store, front_key, turn_key)
+        except TypeError:
+            return None
+        self.writer.on_commit.append(index.put_committed)
+        return index
+
+    def sweep_store(self) -> None:
+        """The janitor's pass over the store (expired sessions and transcript entries; run in a thread)."""
+        sweep = getattr(self.store, "sweep", None)
+        if sweep is not None:
+            sweep()
+        transcript_index.sweep(self.store)
 
 
 __all__ = ["SessionError", "SessionManager", "StoreBehind"]

@@ -5,8 +5,8 @@
     ...
     await server.stop()          # health NOT_SERVING, drain running turns, flush snapshots
 
-It owns one ``EngineClient`` (the engine thread), one ``SessionManager``, the ``SnapshotWriter``
-and the ``StoreHealth`` watch when there is a store, the ``TurnRunner``, the ``SidecarService`` and
+It owns one ``EngineClient`` (the engine thread), one ``SessionManager`` (the store's one owner,
+given the ``SnapshotWriter`` when there is a store), the ``StoreHealth`` watch, the ``TurnRunner``, the ``SidecarService`` and
 its ``GrpcEndpoint``, and a janitor that frees idle sessions whose snapshots are committed. Another
 front (an HTTP app) serves the same sessions in the same process through ``server.turns``
 (``TurnRunner.run_args``), ``server.sessions`` and ``server.client``.
@@ -30,10 +30,9 @@ from sidecar.engine_client import EngineClient
 from sidecar.hooks import ServerHooks
 from sidecar.options import ServerOptions
 from sidecar.service import SidecarService
-from sidecar.session_record import Session
+from sidecar.session_janitor import janitor_loop
 from sidecar.sessions import SessionManager, StoreBehind
 from sidecar.snapshots import SnapshotWriter
-from sidecar import transcript_index
 from sidecar.store import SessionStore, StoreUnavailable
 from sidecar.store_health import StoreHealth
 from sidecar.turns import TurnRunner
@@ -86,25 +85,25 @@ class SidecarServer:
                 )
         self.client.start(asyncio.get_running_loop())
         self.hooks.on_start(self.client)
-        self.sessions = SessionManager(
-            self.client,
-            self.store,
-            end_of_turn_id=self.renderer.end_of_turn_id,
-            idempotency_window=o.idempotency_window,
-            resume_wait_s=o.resume_wait_s,
-        )
         if self.store is not None:
             self.writer = SnapshotWriter(
                 self.store,
                 self.client,
-                self.sessions,
                 with_kv=o.snapshot_kv,
                 max_pending=o.snapshot_queue,
                 retry_max_s=o.snapshot_retry_max_s,
                 hooks=self.hooks,
                 store_health=self.store_health,
             )
-            self.writer.start()
+        self.sessions = SessionManager(
+            self.client,
+            self.store,
+            writer=self.writer,
+            end_of_turn_id=self.renderer.end_of_turn_id,
+            idempotency_window=o.idempotency_window,
+            resume_wait_s=o.resume_wait_s,
+        )
+        self.sessions.start()
         self.turns = TurnRunner(
             self.client,
             self.sessions,
@@ -112,8 +111,7 @@ class SidecarServer:
             limits=o.limits,
             tenant_limits=o.tenant_limits,
             hooks=self.hooks,
-            mark_dirty=self.mark_dirty,
-            commit_turn=self.commit_turn if o.durability == "sync" else None,
+            sync_commit=o.durability == "sync",
         )
         self.service = SidecarService(
             client=self.client,
@@ -121,9 +119,6 @@ class SidecarServer:
             turns=self.turns,
             options=o,
             hooks=self.hooks,
-            store=self.store,
-            mark_dirty=self.mark_dirty,
-            write_now=self.write_now,
             draining=lambda: self.draining,
         )
         self.port = await self.endpoint.start(self.service.handlers())
@@ -131,7 +126,7 @@ class SidecarServer:
             await self.endpoint.set_health(NOT_SERVING)
         if self.store_health is not None:
             self._store_watch = asyncio.create_task(self.store_health.watch(), name="chainkv-store-health")
-        self._janitor = asyncio.create_task(self._janitor_loop(), name="chainkv-janitor")
+        self._janitor = asyncio.create_task(janitor_loop(self.sessions, o, self.store_failed), name="chainkv-janitor")
         log.info(
             "chainkv sidecar: gRPC listening on %s:%d (store: %s)",
             o.host,
@@ -174,63 +169,13 @@ class SidecarServer:
             await asyncio.sleep(0.05)
         await self.endpoint.stop(max(0.0, until - time.monotonic()))
         await self.turns.settle_all()
-        if self.writer is not None:
-            if not await self.writer.flush(self.options.flush_timeout_s):
-                log.warning(
-                    "shutdown: %d session snapshot(s) not written", sum(s.snapshot_pending for s in self.sessions.all())
-                )
-            await self.writer.stop()
+        await self.sessions.stop_writing(self.options.flush_timeout_s)
         if self._janitor is not None:
             self._janitor.cancel()
         await self.client.stop()
-        if self.store is not None:
-            self.store.close()
+        self.sessions.close_store()
         self.service = None
         self._stopped.set()
 
     async def wait(self) -> None:
         await self._stopped.wait()
-
-    # --- shared by the fronts ----------------------------------------------------------------------------
-    def mark_dirty(self, key: str) -> None:
-        """The session changed: queue its snapshot."""
-        if self.writer is not None:
-            self.writer.mark_dirty(key)
-
-    async def commit_turn(self, s: Session, running, completion: bytes) -> None:
-        """durability sync: record the turn and write its snapshot before its completion is sent."""
-        if self.writer is None:
-            return
-        self.sessions.record(s, running, completion)
-        await self.writer.write(s.key)
-        if s.snapshot_pending:
-            raise StoreUnavailable(
-                f"the turn finished but its snapshot was not written ({s.snapshot_error}); "
-                f"retry with the same request_id"
-            )
-
-    async def write_now(self, key: str) -> None:
-        if self.writer is not None:
-            await self.writer.write(key)
-
-    async def _janitor_loop(self) -> None:
-        while True:
-            o = self.options
-            await asyncio.sleep(min(60.0, max(1.0, min(o.session_idle_s, o.session_ttl_s) / 4)))
-            try:
-                n = await self.sessions.expire_idle(o.session_ttl_s)
-                if n:
-                    log.info("ended %d session(s) unused for %.0f s (session_ttl_s)", n, o.session_ttl_s)
-                n = await self.sessions.evict_idle(o.session_idle_s)
-                if n:
-                    log.info("freed %d idle session(s) (their snapshots are committed)", n)
-                sweep = getattr(self.store, "sweep", None)
-                if sweep is not None:
-                    await asyncio.to_thread(sweep)
-                await asyncio.to_thread(transcript_index.sweep, self.store)
-            except asyncio.CancelledError:
-                raise
-            except StoreUnavailable as e:
-                self.store_failed(e, "the janitor's pass")
-            except Exception:
-                log.exception("janitor pass failed")

@@ -23,11 +23,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from engine.chain import SessionBusy, SessionNotFound
 from sidecar.engine_client import EngineClient
-from sidecar.sessions import SessionManager
+from sidecar.session_record import Session
 from sidecar.snapshot_codec import join_snapshot, split_snapshot
 from sidecar.store import GenerationConflict, SessionStore, StoredSession, StoreError, StoreUnavailable
 from sidecar.store_health import StoreHealth
@@ -37,12 +37,22 @@ __all__ = ["SnapshotWriter", "join_snapshot", "split_snapshot"]  # the codec's h
 log = logging.getLogger(__name__)
 
 
+class SessionTable(Protocol):
+    """The sessions this replica holds (the session manager, which owns the writer)."""
+
+    def local(self, key: str) -> Session | None: ...
+
+    def all(self) -> list[Session]: ...
+
+
 class SnapshotWriter:
+    """Owned by the session manager (``SessionManager(writer=...)``), which gives it its table of
+    sessions (``attach``) and marks sessions dirty through it."""
+
     def __init__(
         self,
         store: SessionStore,
         engine: EngineClient,
-        sessions: SessionManager,
         *,
         with_kv: bool = True,
         max_pending: int = 4096,
@@ -53,7 +63,8 @@ class SnapshotWriter:
     ):
         self.store = store
         self.client = engine
-        self.sessions = sessions
+        self.sessions: SessionTable | None = None
+        """Set by ``attach``."""
         self.with_kv = with_kv
         self.retry_base_s, self.retry_max_s = retry_base_s, retry_max_s
         self.hooks = hooks
@@ -70,10 +81,13 @@ class SnapshotWriter:
         self.writes = 0
         self.rewrites = 0
         """Sessions written again because the store had lost or rolled back their last commit."""
-        sessions.on_store_behind = self.mark_dirty
         self.on_commit: list[Callable[[str, StoredSession], None]] = []
         """Called (in a worker thread) after each commit with the session's key and what was committed
         (``app`` is the sidecar metadata stored with it): the HTTP front indexes the session's transcript there. A StoreError is logged."""
+
+    def attach(self, sessions: SessionTable) -> None:
+        """Write the sessions of ``sessions`` (its owner's table)."""
+        self.sessions = sessions
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="chainkv-snapshot-writer")

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from sidecar.session_ids import SessionKey
+
 
 class StoreError(RuntimeError):
     """The store refused an operation or holds something it cannot read."""
@@ -16,7 +18,7 @@ class SnapshotRolledBack(StoreError):
     """The store holds an older generation of the session than it once committed (gRPC DATA_LOSS)."""
 
     def __init__(self, key: str, found: int, fence: int):
-        name = key.split("/")[-1]
+        name = SessionKey.id_of(key)
         super().__init__(
             f"the stored session {name!r} is at generation {found}, but generation {fence} was "
             f"committed before: the store was rolled back; refusing to serve the older session"

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import msgpack
 
-from sidecar.session_ids import BadSessionId, check_id
+from sidecar.session_ids import BadSessionId, SessionKey
 from sidecar.store import DirectoryStore, RedisStore, SessionStore, StoredSession
 from sidecar.store_errors import StoreError, StoreUnavailable
 
@@ -66,11 +66,6 @@ class Found:
     @property
     def turn_index(self) -> int:
         return self.stored.turn_index
-
-
-def tenant_of(key: str) -> str:
-    """The tenant of a scoped session key (``sidecar.session_ids.scoped_key``)."""
-    return key.rpartition("/")[0]
 
 
 def entry_name(tenant: str, digest: bytes) -> str:
@@ -110,7 +105,7 @@ class StoredTranscripts:
             digest = bytes.fromhex(digest_hex)
         except ValueError:
             return
-        self.entries.put_latest(tenant_of(key), digest, key)
+        self.entries.put_latest(SessionKey.tenant_of(key), digest, key)
 
     def find(self, tenant: str, digests: list[bytes]) -> Found | None:
         """The first of ``digests`` (put the longest prefix first) whose entry names a session of
@@ -153,14 +148,11 @@ class StoredTranscripts:
 
     @staticmethod
     def _ours(tenant: str, key: str) -> bool:
-        head, sep, sid = key.rpartition("/")
-        if head != tenant or bool(sep) != bool(tenant):
-            return False
+        """``key`` is a well-formed key of one of ``tenant``'s sessions."""
         try:
-            check_id(sid)
+            return SessionKey.parse(key).tenant == tenant
         except BadSessionId:
             return False
-        return True
 
     def sweep(self) -> int:
         """Delete expired entries (the directory store; Redis expires them itself). Returns how many."""

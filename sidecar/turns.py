@@ -44,12 +44,13 @@ from sidecar.errors import SequenceFailed, TurnAborted
 from sidecar.hooks import ServerHooks
 from sidecar.limits import QuotaExceeded, TenantLimits
 from sidecar.protocol import FINISH, TIERS, Limits, TurnArgs, parse_turn, tool_call_proto
-from sidecar.session_ids import scoped_key
+from sidecar.session_ids import SessionKey
 from sidecar.session_record import Running, Session
 from sidecar.sessions import SessionManager
 from sidecar.structured import OutputSpecError, tools_from_meta
 from sidecar.tool_calls import PlainText, ToolCallParser
-from sidecar.validation import check_same_request, request_digest
+from sidecar.turn_request import TurnRequest
+from sidecar.validation import check_same_request
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +87,7 @@ class TurnRunner:
         limits: Limits,
         tenant_limits: TenantLimits,
         hooks: ServerHooks,
-        mark_dirty: Callable[[str], None],
-        commit_turn: Callable | None = None,
+        sync_commit: bool = False,
     ):
         self.client = client
         self.sessions = sessions
@@ -95,28 +95,28 @@ class TurnRunner:
         self.limits = limits
         self.tenant_limits = tenant_limits
         self.hooks = hooks
-        self.mark_dirty = mark_dirty
-        self.commit_turn = commit_turn
-        """durability sync: ``await commit_turn(session, running, completion)`` before the completion is sent."""
+        self.sync_commit = sync_commit
+        """durability sync: the turn's snapshot is written (``SessionManager.commit_turn``) before its
+        completion is sent."""
         self.settling: set[asyncio.Task] = set()
         """Releases of turns whose callers went away, still running."""
 
     async def run(
         self,
         tenant: str,
-        request: pb.TurnRequest,
+        request: TurnRequest,
         deadline: float | None,
         on_complete: Callable[[Session, pb.TurnCompletion], None] | None = None,
     ) -> AsyncIterator[pb.TurnEvent]:
-        """The events of one Turn RPC for ``tenant``; raises what ``status_for`` turns into a code.
-        ``on_complete``: see ``TurnState.on_complete``."""
+        """The events of one turn for ``tenant`` (from either front: gRPC's Turn, the HTTP APIs);
+        raises what ``status_for`` turns into a code. ``on_complete``: see ``TurnState.on_complete``."""
         args = parse_turn(request, self.limits)
         turn = self.run_args(
             tenant,
             args,
             deadline,
-            max_tokens_given=request.HasField("max_tokens"),
-            digest=request_digest(request),
+            max_tokens_given=request.max_tokens is not None,
+            digest=request.digest,
             on_complete=on_complete,
         )
         async with contextlib.aclosing(turn):  # closed with this one: its turn is released at once
@@ -137,7 +137,7 @@ class TurnRunner:
         tool calls, then the completion, as ``chainkv.v1.TurnEvent`` messages. ``digest``: the
         request's content digest (a request_id reused for other content is refused)."""
         args.params.max_tokens = self.tenant_limits.check_max_tokens(tenant, args.params.max_tokens, max_tokens_given)
-        key = scoped_key(tenant, args.session_id)
+        key = str(SessionKey.of(tenant, args.session_id))
         self.check_quota(tenant, key)
         if args.hints is not None and args.hints.pin_ttl_s is not None:
             self.tenant_limits.check_pin(tenant, self.sessions.all(), exclude=key, now=time.monotonic())
@@ -225,7 +225,7 @@ class TurnRunner:
             )
         else:
             rendered = await asyncio.to_thread(self.renderer.continuation, args.messages, s.ends_with_eot)
-        self.tenant_limits.check_prompt(TenantLimits.tenant_of(key), len(rendered.token_ids))
+        self.tenant_limits.check_prompt(SessionKey.tenant_of(key), len(rendered.token_ids))
         stream = await self.client.start_turn(
             key,
             EngineTurn(
@@ -236,7 +236,7 @@ class TurnRunner:
                 expected_turn_index=args.expected_turn_index,
                 shared_prefix=rendered.shared_prefix,
                 new_session=new,
-                prefix_scope="" if args.public_prefix else f"tenant:{TenantLimits.tenant_of(key)}",
+                prefix_scope="" if args.public_prefix else f"tenant:{SessionKey.tenant_of(key)}",
                 hints=args.hints,
             ),
         )
@@ -281,9 +281,9 @@ class TurnRunner:
         state.completion = completion.SerializeToString()
         if state.on_complete is not None:
             state.on_complete(s, completion)
-        if self.commit_turn is not None:
-            await self.commit_turn(s, state.running, state.completion)
-        self.mark_dirty(key)
+        if self.sync_commit:
+            await self.sessions.commit_turn(s, state.running, state.completion)
+        self.sessions.mark_dirty(key)
         self.hooks.on_turn(completion, time.monotonic() - state.started_at)
         yield pb.TurnEvent(completion=completion)
 
@@ -310,7 +310,7 @@ class TurnRunner:
             changed = info.generation != s.generation
             s.update(info, self.sessions.end_of_turn_id)
             if changed:
-                self.mark_dirty(key)
+                self.sessions.mark_dirty(key)
         self.sessions.end_turn(s, state.running, None)
 
 

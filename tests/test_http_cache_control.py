@@ -9,6 +9,8 @@ import json
 import pytest
 from http_fixtures import call, chat, live_server, reply_of
 
+from sidecar.session_janitor import evict_idle
+
 SYSTEM = {"role": "system", "content": "You answer briefly."}
 
 
@@ -65,8 +67,8 @@ def test_inspect_reports_tier_spans_and_method(live):
 def test_a_session_only_in_the_store_inspects_as_stored(live):
     sid, _ = _session(live, "stored-only", turns=1)
     server = live.thread.server
-    live.thread.run(server.write_now("alpha/" + sid))  # tenant alpha's key
-    assert live.thread.run(server.sessions.evict_idle(0)) >= 1
+    live.thread.run(server.sessions.write_now("alpha/" + sid))  # tenant alpha's key
+    assert live.thread.run(evict_idle(server.sessions, 0)) >= 1
     info = _inspect(live, sid)
     assert info["tier"] == "store" and info["turn_index"] == 1 and info["history_tokens"] > 0
     assert all(s["kept_tokens"] == s["end"] - s["start"] for s in info["spans"])
@@ -122,8 +124,8 @@ def test_set_eviction_priority_reaches_the_engine_and_the_snapshot(live):
     server = live.thread.server
     key = "alpha/" + sid  # tenant alpha's session key
     assert server.engine.chains.chains[key].eviction_priority == 7
-    live.thread.run(server.write_now(key))
-    live.thread.run(server.sessions.evict_idle(0))
+    live.thread.run(server.sessions.write_now(key))
+    live.thread.run(evict_idle(server.sessions, 0))
     assert _inspect(live, sid)["eviction_priority"] == 7  # from the store's copy
     assert key not in server.engine.chains.chains
     chat(live, msgs + [{"role": "user", "content": "next"}], prompt_cache_key="prioritized")  # loads it

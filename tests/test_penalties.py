@@ -157,16 +157,24 @@ def _turn(**options):
     return build_turn_request("s", [{"role": "user", "content": "hi"}], **options)
 
 
-def test_turn_request_penalties_reach_sampling_params():
-    from sidecar.protocol import Limits, parse_turn
+def _parsed(req, limits):
+    """The sidecar's checks of a gRPC TurnRequest (its Turn converts it to the typed request first)."""
+    from sidecar.protocol import parse_turn
+    from sidecar.turn_request import from_proto
 
-    args = parse_turn(_turn(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.3), Limits())
+    return parse_turn(from_proto(req), limits)
+
+
+def test_turn_request_penalties_reach_sampling_params():
+    from sidecar.protocol import Limits
+
+    args = _parsed(_turn(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.3), Limits())
     assert (args.params.presence_penalty, args.params.frequency_penalty, args.params.repetition_penalty) == (
         0.5,
         -1.0,
         1.3,
     )
-    unset = parse_turn(_turn(), Limits()).params
+    unset = _parsed(_turn(), Limits()).params
     assert (unset.presence_penalty, unset.frequency_penalty, unset.repetition_penalty) == (0.0, 0.0, 1.0)
 
 
@@ -176,10 +184,10 @@ def test_turn_request_penalties_reach_sampling_params():
     + [("repetition_penalty", v) for v in (float("nan"), -float("inf"), 0.0, -1.0, 1e-300, 1e300)],
 )
 def test_hostile_turn_request_penalties_are_invalid_requests(name, value):
-    from sidecar.protocol import InvalidRequest, Limits, parse_turn
+    from sidecar.protocol import InvalidRequest, Limits
 
     with pytest.raises(InvalidRequest, match=name):
-        parse_turn(_turn(**{name: value}), Limits())
+        _parsed(_turn(**{name: value}), Limits())
 
 
 def test_adapters_send_the_penalties():

@@ -99,7 +99,7 @@ def drop_here(srv, sid, tenant="alpha"):
     """Free the session on this replica (as idle eviction or a failover would): it lives in the store only."""
     key = f"{tenant}/{sid}"
     sessions = srv.server.sessions
-    srv.run(sessions._drop_local(sessions.local(key)))
+    srv.run(sessions.drop_local(sessions.local(key)))
 
 
 @pytest.mark.parametrize("sid", ["..", ".", "...", "../x", "a/b", "%2e%2e"])

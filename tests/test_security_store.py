@@ -262,7 +262,8 @@ def test_holder_rewrites_a_store_that_lost_its_session(store, what):
         store.delete(key)
         store.save(key, record(key, 2), None)
     s = Session(key=key, in_engine=True, generation=6, turn_index=6, committed_generation=5)
-    writer = SnapshotWriter(store, _FakeEngineClient(6, 6), _Sessions(s), with_kv=False)
+    writer = SnapshotWriter(store, _FakeEngineClient(6, 6), with_kv=False)
+    writer.attach(_Sessions(s))
     asyncio.run(writer.write(key))
     assert not s.stale and s.committed_generation == 6 and s.snapshot_error is None
     got = store.load(key, with_kv=False)
@@ -275,7 +276,8 @@ def test_a_newer_replica_marks_the_local_copy_stale(store):
     for g in range(1, 4):
         store.save(key, record(key, g), g - 1 if g > 1 else None)
     s = Session(key=key, in_engine=True, generation=3, turn_index=3, committed_generation=2)
-    writer = SnapshotWriter(store, _FakeEngineClient(3, 3), _Sessions(s), with_kv=False)
+    writer = SnapshotWriter(store, _FakeEngineClient(3, 3), with_kv=False)
+    writer.attach(_Sessions(s))
     asyncio.run(writer.write(key))
     assert s.stale and "generation 3" in s.snapshot_error and writer.rewrites == 0
     assert store.load(key, with_kv=False).app == record(key, 3).app  # the other replica's commit stands

@@ -436,6 +436,7 @@ def test_methods_in_help_and_cli(capsys):
 def test_sidecar_request_fields_build_each_method(smol_engine):
     from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
     from sidecar.protocol import InvalidRequest, method_spec
+    from sidecar.turn_request import from_proto
 
     cases = {
         "quest": {"dense_layers": "1"},
@@ -444,14 +445,14 @@ def test_sidecar_request_fields_build_each_method(smol_engine):
         "duo_attention": {"sparsity": "0.25"},
     }
     for name, args in cases.items():
-        spec = method_spec(pb.TurnRequest(method=name, budget=256, method_args=args))
+        spec = method_spec(from_proto(pb.TurnRequest(method=name, budget=256, method_args=args)))
         m = smol_engine.controller.method_for(spec)
         assert m.name == name and m.spec.budget == 256
     assert smol_engine.controller.method_for(
-        method_spec(pb.TurnRequest(method="omnikv", budget_ratio=0.1, method_args={"filter_layers": "2,8"}))
+        method_spec(from_proto(pb.TurnRequest(method="omnikv", budget_ratio=0.1, method_args={"filter_layers": "2,8"})))
     ).filters == [2, 8]
     with pytest.raises(InvalidRequest):
-        method_spec(pb.TurnRequest(method="quest", budget=256, method_args={"page": "8"}))
+        method_spec(from_proto(pb.TurnRequest(method="quest", budget=256, method_args={"page": "8"})))
 
 
 # --- the other rules on small tensors ------------------------------------------------------------------------

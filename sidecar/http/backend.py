@@ -1,7 +1,7 @@
 """The HTTP front's one way onto the sidecar's sessions (the seam to swap for an engine client).
 
-A turn from either OpenAI API becomes a ``chainkv.v1.TurnRequest`` run by the sidecar's
-``TurnRunner`` (over its ``EngineClient``), as gRPC's Turn is, so both fronts share everything behind it: tenant-scoped session keys, quotas, loading a
+A turn from either OpenAI API becomes a typed ``sidecar.turn_request.TurnRequest`` run by the
+sidecar's ``TurnRunner`` (over its ``EngineClient``), as gRPC's Turn is, so both fronts share everything behind it: tenant-scoped session keys, quotas, loading a
 session from the store, rendering only the new messages, structured output, streaming, rolling back a
 turn whose caller went away, and write-behind snapshots. The bearer token is checked by the same
 ``Authenticator`` as gRPC metadata, so an HTTP token and a gRPC token of one tenant see the same
@@ -26,6 +26,7 @@ from sidecar.session_record import Session
 from sidecar.structured import OutputSpecError
 from sidecar.store import StoredSession
 from sidecar.transcript_index import Found, StoredTranscripts
+from sidecar.turn_request import TurnRequest
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class SessionBackend:
     async def turn(
         self,
         authorization: str | None,
-        request: pb.TurnRequest,
+        request: TurnRequest,
         on_complete=None,
         fields: Mapping[str, str] | None = None,
     ) -> AsyncIterator[pb.TurnEvent]:
@@ -97,11 +98,10 @@ class SessionBackend:
         from engine.chain import SessionError
         from sidecar.store_errors import StoreError
 
-        store = self.server.store
-        if store is None:
+        if not self.server.sessions.has_store:
             return None
         try:
-            stored = await asyncio.to_thread(store.load, key, False)
+            stored = await self.server.sessions.stored(key)
             target = max(at_least, stored.turn_index if stored is not None else 0)
             s = await self.server.sessions.get(key, create=False, expected_turn_index=target)
         except (SessionError, StoreError) as e:
@@ -117,7 +117,7 @@ class SessionBackend:
         from engine.chain import SessionNotFound
 
         try:
-            await self.server.sessions.end(key, keep_snapshot, self.server.write_now)
+            await self.server.sessions.end(key, keep_snapshot)
         except SessionNotFound:
             pass
 
@@ -129,9 +129,9 @@ class SessionBackend:
 
         s.front_changed()
         if self.server.options.durability != "sync" or s.busy:
-            self.server.mark_dirty(s.key)
+            self.server.sessions.mark_dirty(s.key)
             return
-        await self.server.write_now(s.key)
+        await self.server.sessions.write_now(s.key)
         if s.snapshot_pending:
             raise StoreUnavailable(f"the change was not written to the store ({s.snapshot_error}); retry")
 
@@ -144,14 +144,12 @@ class SessionBackend:
 
     async def stored(self, key: str) -> StoredSession | None:
         """The store's committed record of the session (no KV); None without a store or a record."""
-        if self.server.store is None:
-            return None
-        return await asyncio.to_thread(self.server.store.load, key, False)
+        return await self.server.sessions.stored(key)
 
     async def end_session(self, key: str) -> tuple[bool, bool]:
         """End the session here and delete it from the store: (ended here, deleted from the store).
         Raises SessionNotFound when it was nowhere."""
-        return await self.server.sessions.end(key, False, self.server.write_now)
+        return await self.server.sessions.end(key, False)
 
     async def set_eviction_priority(self, s: Session, priority: int) -> None:
         """Record it with the session (its snapshot carries it) and tell the engine."""
@@ -161,23 +159,13 @@ class SessionBackend:
 
     async def prune(self, key: str, specs: list[PruneSpec]) -> PruneResult:
         server = self.server
-        return await prune_session(
-            server.sessions, server.client, key, specs, mark_dirty=server.mark_dirty, hooks=server.hooks
-        )
+        return await prune_session(server.sessions, server.client, key, specs, hooks=server.hooks)
 
     # --- the transcript index in the store -----------------------------------------------------------
     def stored_transcripts(self, front_key: str, turn_key: str) -> StoredTranscripts | None:
         """The store's transcript index (sidecar/transcript_index.py), fed by each committed snapshot;
-        None without a store (or a writer)."""
-        store, writer = self.server.store, getattr(self.server, "writer", None)
-        if store is None or writer is None:
-            return None
-        try:
-            index = StoredTranscripts(store, front_key, turn_key)
-        except TypeError:  # a store kind without an index: this replica's memory only
-            return None
-        writer.on_commit.append(index.put_committed)
-        return index
+        None without a store (or a writer, or for a store kind without an index: this replica's memory only)."""
+        return self.server.sessions.transcripts(front_key, turn_key)
 
     async def find_transcript(self, index: StoredTranscripts, tenant: str, digests: list[bytes]) -> Found | None:
         """``index.find`` off the event loop; a store that cannot be reached finds nothing."""

@@ -31,7 +31,6 @@ import math
 from typing import Any
 
 from engine.chain import SessionNotFound
-from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.engine_client import PruneSpec
 from sidecar.engine_results import PruneRecord, SessionInfo
 from sidecar.http import cache_requests as cr
@@ -41,8 +40,10 @@ from sidecar.http.chat_completions import ChatCompletions, parse_messages, trans
 from sidecar.http.conversations import transcript_digest
 from sidecar.http.errors import OpenAIError, invalid
 from sidecar.http.prune_jobs import PruneJobs
+from sidecar.session_ids import SessionKey
 from sidecar.session_record import Session
 from sidecar.store import StoredSession
+from sidecar.turn_request import TurnRequest
 
 TIERS = {"active": "gpu", "idle": "gpu", "host": "host", "history": "history"}
 
@@ -89,7 +90,7 @@ class CacheControl:
         if not isinstance(chat, dict):
             raise invalid("chat must be an object holding messages", "chat")
         messages = parse_messages(chat.get("messages"))
-        base = pb.TurnRequest()
+        base = TurnRequest()
         rq.set_tools(base, chat.get("tools"), nested=True)
         rq.set_extension(base, chat)
         _, digests = transcript_digests(tenant, messages, base)
@@ -101,7 +102,7 @@ class CacheControl:
             key = next((k for k in map(self.chat.index.get, reversed(digests[1:])) if k is not None), None)
             if key is None:
                 return _match(None, 0, len(messages), 0, 0, None)
-            sid = key.rsplit("/", 1)[-1]
+            sid = SessionKey.id_of(key)
         s = await self._live(key)
         if s is not None:
             have, info = transcript_digest(s.front, s.turn_index), await self._info(key, sid)

@@ -13,6 +13,7 @@ with ``chain_id`` speaks SparseEngine's chain protocol instead of naming or matc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import time
@@ -38,6 +39,8 @@ from sidecar.http.conversations import (
     transcript_digest,
 )
 from sidecar.http.errors import from_exception, invalid
+from sidecar.session_ids import SessionKey
+from sidecar.turn_request import Message, ToolCall, TurnRequest
 from sidecar.protocol import InvalidRequest, message_dict
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_TOOL_CALLS: "tool_calls"}
@@ -45,7 +48,7 @@ MAX_MESSAGES = 4096
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
-def parse_messages(raw: Any) -> list[pb.Message]:
+def parse_messages(raw: Any) -> list[Message]:
     if not isinstance(raw, list) or not raw:
         raise invalid("messages must be a non-empty list", "messages")
     if len(raw) > MAX_MESSAGES:
@@ -56,7 +59,7 @@ def parse_messages(raw: Any) -> list[pb.Message]:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise invalid(f"{where}.role must be one of {', '.join(ROLES)}", "messages")
         role = ROLES[m["role"]]
-        msg = pb.Message(role=role, content=rq.text_content(m.get("content"), where, ("text", "refusal")))
+        msg = Message(role=role, content=rq.text_content(m.get("content"), where, ("text", "refusal")))
         if isinstance(m.get("name"), str):
             msg.name = m["name"][:256]
         if role == "tool":
@@ -73,7 +76,7 @@ def parse_messages(raw: Any) -> list[pb.Message]:
                     raise invalid(f"{where}.tool_calls[{j}] needs a function with a name", "messages")
                 call_id = c.get("id") if isinstance(c.get("id"), str) else ""
                 msg.tool_calls.append(
-                    pb.ToolCall(
+                    ToolCall(
                         id=call_id[:256],
                         name=fn["name"][:128],
                         arguments_json=rq.arguments_object(fn.get("arguments", "{}"), f"{where}.tool_calls[{j}]"),
@@ -83,7 +86,7 @@ def parse_messages(raw: Any) -> list[pb.Message]:
     return out
 
 
-def transcript_digests(tenant: str, messages: list[pb.Message], base: pb.TurnRequest) -> tuple[list[dict], list[bytes]]:
+def transcript_digests(tenant: str, messages: list[Message], base: TurnRequest) -> tuple[list[dict], list[bytes]]:
     """The messages as dicts, and the digest of each prefix of them (``out[k]``: ``messages[:k]``)
     for ``tenant`` with ``base``'s tools and method (sidecar/http/conversations.py)."""
     try:
@@ -94,8 +97,8 @@ def transcript_digests(tenant: str, messages: list[pb.Message], base: pb.TurnReq
     method = json.dumps(
         [
             base.method,
-            base.budget if base.HasField("budget") else None,
-            base.budget_ratio if base.HasField("budget_ratio") else None,
+            base.budget,
+            base.budget_ratio,
             sorted(base.method_args.items()),
         ]
     )
@@ -124,7 +127,7 @@ class ChatCompletions:
         if not isinstance(opts, dict):
             raise invalid("stream_options must be an object", "stream_options")
         messages = parse_messages(body.get("messages"))
-        base = pb.TurnRequest()
+        base = TurnRequest()
         rq.set_sampling(base, body, ("max_completion_tokens", "max_tokens"))
         rq.set_tools(base, body.get("tools"), nested=True)
         rq.set_tool_choice(base, body.get("tool_choice"), nested=True)
@@ -182,7 +185,7 @@ class ChatCompletions:
                 and not s.busy
                 and transcript_digest(s.front, s.turn_index) == digests[k].hex()
             ):
-                here = _Plan(key.rsplit("/", 1)[-1], key, k, s.turn_index, explicit=False)
+                here = _Plan(SessionKey.id_of(key), key, k, s.turn_index, explicit=False)
                 break
         longer = [k for k in candidates if here is None or k > here.start]
         if longer and self.stored is not None:  # the store's, for a longer prefix (another replica's turns)
@@ -205,7 +208,7 @@ class ChatCompletions:
         if s is None or s.busy or _continues(s, digests, messages) != k:
             return None
         self.index.put(found.key, digests[k])
-        return _Plan(found.key.rsplit("/", 1)[-1], found.key, k, s.turn_index, explicit=False)
+        return _Plan(SessionKey.id_of(found.key), found.key, k, s.turn_index, explicit=False)
 
 
 def _continues(s, digests: list[bytes], messages: list) -> int | None:
@@ -252,15 +255,15 @@ class _Run:
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
 
-    def _request(self, plan: _Plan) -> pb.TurnRequest:
-        req = pb.TurnRequest()
-        req.CopyFrom(self.base)
-        req.session_id = plan.session_id
-        req.messages.extend(self.messages[plan.start :])
-        if plan.start:  # a continuation: the tools are the session's
-            del req.tools[:]
-            req.expected_turn_index = plan.turn_index
-        return req
+    def _request(self, plan: _Plan) -> TurnRequest:
+        continuation = plan.start > 0  # the tools are the session's
+        return dataclasses.replace(
+            self.base,
+            session_id=plan.session_id,
+            messages=self.messages[plan.start :],
+            tools=[] if continuation else list(self.base.tools),
+            expected_turn_index=plan.turn_index if continuation else None,
+        )
 
     async def events(self) -> AsyncIterator[pb.TurnEvent]:
         plan, first = self.plan, True
@@ -279,7 +282,8 @@ class _Run:
                     raise
                 # the matched session moved on or is busy: run this conversation as a new session
                 sid = "chat-" + uuid.uuid4().hex
-                plan = _Plan(sid, plan.key.rsplit("/", 1)[0] + "/" + sid if "/" in plan.key else sid, 0, None, False)
+                key = SessionKey.of(SessionKey.tenant_of(plan.key), sid)
+                plan = _Plan(sid, str(key), 0, None, False)
 
     def _remember(self, plan: _Plan, s, c: pb.TurnCompletion) -> None:
         """The session's transcript now ends with this reply (called before the turn's snapshot is

@@ -1,4 +1,5 @@
-"""Request fields both OpenAI APIs share, checked as hostile input and set on a ``TurnRequest``.
+"""Request fields both OpenAI APIs share, checked as hostile input and set on a ``TurnRequest``
+(``sidecar.turn_request``: the typed turn both fronts hand the turn runner).
 
 Sampling (temperature, top_p, presence/frequency/repetition penalties, seed, stop, the max tokens), function tools, ``tool_choice``, the JSON
 output formats and the ``chainkv`` extension field (``extra_body={"chainkv": {"method": "snapkv",
@@ -15,9 +16,9 @@ import math
 from typing import Any
 
 from engine.chain import MAX_PRIORITY
-from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.http.errors import OpenAIError, invalid
 from sidecar.structured import OutputSpecError, schema_text
+from sidecar.turn_request import AgentHints, SessionControl, Tool, TurnRequest
 
 INT32 = 2**31 - 1
 INT64 = 2**63 - 1
@@ -76,7 +77,7 @@ def integer(body: dict, name: str, lo: int, hi: int, *, prefix: str = "") -> int
     return v
 
 
-def set_sampling(req: pb.TurnRequest, body: dict, max_token_names: tuple[str, ...]) -> None:
+def set_sampling(req: TurnRequest, body: dict, max_token_names: tuple[str, ...]) -> None:
     """temperature, top_p, presence_penalty, frequency_penalty, repetition_penalty, top_k, seed, stop,
     ignore_eos and the first of ``max_token_names`` that is set."""
     t = number(body, "temperature", 0.0, 2.0)
@@ -117,7 +118,7 @@ def set_sampling(req: pb.TurnRequest, body: dict, max_token_names: tuple[str, ..
         req.stop.extend(stops)
 
 
-def set_extension(req: pb.TurnRequest, body: dict) -> None:
+def set_extension(req: TurnRequest, body: dict) -> None:
     """The ``chainkv`` extension field: the session's sparse method (gRPC's method fields)."""
     ext = body.get("chainkv")
     if ext is None:
@@ -150,7 +151,7 @@ AGENT_HINT_FIELDS = ("priority",)
 SESSION_CONTROL_FIELDS = ("action", "ttl_seconds")
 
 
-def set_agent_hints(req: pb.TurnRequest, body: dict) -> None:
+def set_agent_hints(req: TurnRequest, body: dict) -> None:
     """Dynamo's ``nvext`` request extension: ``agent_hints.priority`` and ``session_control`` (``action``
     "pin" with ``ttl_seconds``, or "release"), set on the Turn's AgentHints / SessionControl (whose
     checks, the same as gRPC's, follow)."""
@@ -167,19 +168,16 @@ def set_agent_hints(req: pb.TurnRequest, body: dict) -> None:
         )
     hints = _object(ext, "agent_hints", AGENT_HINT_FIELDS)
     if hints is not None:
-        req.agent_hints.SetInParent()
         priority = integer(hints, "priority", -MAX_PRIORITY, MAX_PRIORITY, prefix="nvext.agent_hints.")
-        if priority is not None:
-            req.agent_hints.priority = priority
+        req.agent_hints = AgentHints(priority)
     control = _object(ext, "session_control", SESSION_CONTROL_FIELDS)
     if control is not None:
         action = control.get("action", "")
         if not isinstance(action, str):
             raise invalid("nvext.session_control.action must be a string", "nvext.session_control.action")
-        req.session_control.action = action[:64]
+        req.session_control = SessionControl(action[:64])
         ttl = number(control, "ttl_seconds", 0.0, 1e12, lo_open=True, prefix="nvext.session_control.")
-        if ttl is not None:
-            req.session_control.ttl_seconds = ttl
+        req.session_control.ttl_seconds = ttl
 
 
 def _object(ext: dict, name: str, known: tuple[str, ...]) -> dict | None:
@@ -197,7 +195,7 @@ def _object(ext: dict, name: str, known: tuple[str, ...]) -> dict | None:
     return v
 
 
-def function_tool(name: Any, description: Any, parameters: Any, where: str) -> pb.Tool:
+def function_tool(name: Any, description: Any, parameters: Any, where: str) -> Tool:
     if not isinstance(name, str) or not name or len(name) > 128:
         raise invalid(f"{where}.name must be a non-empty string of at most 128 characters", where)
     if description is not None and not isinstance(description, str):
@@ -210,10 +208,10 @@ def function_tool(name: Any, description: Any, parameters: Any, where: str) -> p
         raise invalid(f"{where}.parameters: {e}", "tools") from None
     if len(text) > MAX_SCHEMA_CHARS:
         raise invalid(f"{where}.parameters is too large", where)
-    return pb.Tool(name=name, description=description or "", parameters_json=text)
+    return Tool(name=name, description=description or "", parameters_json=text)
 
 
-def set_tools(req: pb.TurnRequest, tools: Any, nested: bool) -> None:
+def set_tools(req: TurnRequest, tools: Any, nested: bool) -> None:
     """Function tools: Chat Completions nests them (``{"type": "function", "function": {...}}``), the
     Responses API does not (``{"type": "function", "name": ...}``)."""
     if tools is None:
@@ -230,7 +228,7 @@ def set_tools(req: pb.TurnRequest, tools: Any, nested: bool) -> None:
         req.tools.append(function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), where))
 
 
-def set_tool_choice(req: pb.TurnRequest, choice: Any, nested: bool) -> None:
+def set_tool_choice(req: TurnRequest, choice: Any, nested: bool) -> None:
     """ "none", "auto", "required", or a named function (``{"type": "function", "function": {"name"}}``
     in Chat Completions, ``{"type": "function", "name"}`` in the Responses API)."""
     if choice is None:
@@ -249,7 +247,7 @@ def set_tool_choice(req: pb.TurnRequest, choice: Any, nested: bool) -> None:
     raise invalid('tool_choice must be none, auto, required or {"type": "function", ...} with a name', "tool_choice")
 
 
-def set_format(req: pb.TurnRequest, fmt: Any, param: str, nested: bool) -> None:
+def set_format(req: TurnRequest, fmt: Any, param: str, nested: bool) -> None:
     """``text``, ``json_object`` or ``json_schema`` (its schema under ``json_schema.schema`` in Chat
     Completions, under ``schema`` in the Responses API's ``text.format``)."""
     if fmt is None:

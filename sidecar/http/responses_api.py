@@ -20,14 +20,15 @@ import base64
 import binascii
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
-from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.http import requests as rq
 from sidecar.http.backend import SessionBackend, prepend
 from sidecar.http.errors import OpenAIError, invalid
 from sidecar.http.response_events import ResponseRun
 from sidecar.session_ids import BadSessionId, check_id
+from sidecar.turn_request import Message, Tool, ToolCall, ToolChoice, TurnRequest
 
 
 def response_id(session_id: str) -> str:
@@ -54,11 +55,11 @@ def session_of(resp_id: Any, param: str = "response_id") -> str:
         ) from None
 
 
-def parse_input(raw: Any, instructions: str | None) -> list[pb.Message]:
+def parse_input(raw: Any, instructions: str | None) -> list[Message]:
     items = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
     if not isinstance(items, list) or not items or len(items) > 4096:
         raise invalid("input must be a string or a non-empty list of at most 4096 items", "input")
-    out: list[pb.Message] = [pb.Message(role="system", content=instructions)] if instructions else []
+    out: list[Message] = [Message(role="system", content=instructions)] if instructions else []
     for i, it in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(it, dict):
@@ -69,24 +70,24 @@ def parse_input(raw: Any, instructions: str | None) -> list[pb.Message]:
             if role not in ("system", "user", "assistant"):
                 raise invalid(f"{where}.role must be user, system, developer or assistant", "input")
             text = rq.text_content(it.get("content"), where, ("input_text", "output_text", "text", "refusal"))
-            out.append(pb.Message(role=role, content=text))
+            out.append(Message(role=role, content=text))
         elif kind == "function_call":
             name, call_id = it.get("name"), it.get("call_id", "")
             if not isinstance(name, str) or not name or not isinstance(call_id, str):
                 raise invalid(f"{where}: a function_call needs a name and a call_id", "input")
-            call = pb.ToolCall(
+            call = ToolCall(
                 id=call_id[:256], name=name[:128], arguments_json=rq.arguments_object(it.get("arguments", "{}"), where)
             )
             if out and out[-1].role == "assistant":
                 out[-1].tool_calls.append(call)
             else:
-                out.append(pb.Message(role="assistant", tool_calls=[call]))
+                out.append(Message(role="assistant", tool_calls=[call]))
         elif kind == "function_call_output":
             call_id, output = it.get("call_id", ""), it.get("output")
             if not isinstance(call_id, str):
                 raise invalid(f"{where}.call_id must be a string", "input")
             text = output if isinstance(output, str) else rq.text_content(output, where, ("input_text", "output_text"))
-            out.append(pb.Message(role="tool", content=text, tool_call_id=call_id[:256]))
+            out.append(Message(role="tool", content=text, tool_call_id=call_id[:256]))
         else:
             raise invalid(f"{where}: input items of type {str(kind)[:50]!r} are not supported", "input")
     return out
@@ -98,39 +99,43 @@ class Responses:
 
     # --- create -------------------------------------------------------------------------------------
     async def create(self, body: dict, authorization: str | None):
+        """Check the request (in this order: the top-level options, the turn's fields, the session it
+        continues), then run its turn: streamed as server-sent events, or whole."""
         b = self.backend
         tenant = b.tenant(authorization)
-        model = rq.check_model(body, b.model_name)
-        stream, store = body.get("stream", False), body.get("store", True)
-        if not isinstance(stream, bool) or not isinstance(store, bool):
-            raise invalid("stream and store must be booleans")
-        instructions = body.get("instructions")
-        if instructions is not None and not isinstance(instructions, str):
-            raise invalid("instructions must be a string", "instructions")
-        metadata = body.get("metadata") or {}
-        if (
-            not isinstance(metadata, dict)
-            or len(metadata) > 16
-            or not all(
-                isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
-                for k, v in metadata.items()
-            )
-        ):
-            raise invalid("metadata must map at most 16 short strings to strings", "metadata")
-        req = pb.TurnRequest()
-        rq.set_sampling(req, body, ("max_output_tokens",))
-        rq.set_tools(req, body.get("tools"), nested=False)
-        rq.set_tool_choice(req, body.get("tool_choice"), nested=False)
-        text_opts = body.get("text") or {}
-        if not isinstance(text_opts, dict):
-            raise invalid("text must be an object", "text")
-        rq.set_format(req, text_opts.get("format"), "text.format", nested=False)
-        rq.set_extension(req, body)
+        opts = _options(body, b.model_name)
+        req = _turn_fields(body, opts)
+        target = await self._target(tenant, body)
+        req.session_id = target.session_id
+        req.expected_turn_index = target.expected_turn_index
+        req.messages = parse_input(body.get("input"), opts.instructions if target.new else None)
+        run = ResponseRun(
+            b,
+            authorization,
+            req,
+            b.key(tenant, target.session_id),
+            _echo(opts, target, req),
+            ephemeral=not opts.store and target.previous is None and target.conversation is None,
+            resp_id=response_id(target.session_id),
+        )
+        turn = b.turn(authorization, req, run.on_complete, fields={"response_format": "text.format"})
+        if not opts.stream:
+            return await run.whole(turn)
+        try:
+            first = await anext(turn)  # an error before the first token still gets its HTTP status
+        except BaseException:
+            await run.finish()
+            raise
+        return run.sse(prepend(first, turn))
+
+    async def _target(self, tenant: str, body: dict) -> _Target:
+        """The session the response goes to: the one ``previous_response_id`` ends (it must be its
+        latest response), the ``conversation`` named (new on first use), or a new one."""
+        b = self.backend
         prev, conv = body.get("previous_response_id"), body.get("conversation")
         if prev is not None and conv is not None:
             raise invalid("previous_response_id and conversation cannot both be given", "conversation")
         conv_id = conv.get("id") if isinstance(conv, dict) else conv
-        session_new = False
         if prev is not None:
             sid = session_of(prev, "previous_response_id")
             s = await b.find(b.key(tenant, sid))
@@ -151,52 +156,15 @@ class Responses:
                     "from an earlier response is not supported)",
                     "previous_response_id",
                 )
-            req.expected_turn_index = s.turn_index
-        elif conv_id is not None:
+            return _Target(sid, new=False, previous=prev, conversation=None, expected_turn_index=s.turn_index)
+        if conv_id is not None:
             try:
                 sid = check_id(conv_id if isinstance(conv_id, str) else "", "conversation")
             except BadSessionId as e:
                 raise invalid(str(e), "conversation") from None
             s = await b.find(b.key(tenant, sid))
-            session_new = s is None
-        else:
-            sid, session_new = "resp-" + uuid.uuid4().hex, True
-        req.session_id = sid
-        req.messages.extend(parse_input(body.get("input"), instructions if session_new else None))
-        key = b.key(tenant, sid)
-        echo = {
-            "model": model,
-            "instructions": instructions,
-            "metadata": metadata,
-            "previous_response_id": prev,
-            "conversation": {"id": sid} if conv_id is not None else None,
-            "store": store,
-            "temperature": req.temperature if req.HasField("temperature") else 1.0,
-            "top_p": req.top_p if req.HasField("top_p") else 1.0,
-            "max_output_tokens": req.max_tokens if req.HasField("max_tokens") else None,
-            "tools": [_tool_echo(t) for t in req.tools],
-            "tool_choice": _choice_echo(req.tool_choice),
-            "text": {"format": text_opts.get("format") or {"type": "text"}},
-            "parallel_tool_calls": False,
-        }
-        run = ResponseRun(
-            b,
-            authorization,
-            req,
-            key,
-            echo,
-            ephemeral=not store and prev is None and conv_id is None,
-            resp_id=response_id(sid),
-        )
-        turn = b.turn(authorization, req, run.on_complete, fields={"response_format": "text.format"})
-        if stream:
-            try:
-                first = await anext(turn)  # an error before the first token still gets its HTTP status
-            except BaseException:
-                await run.finish()
-                raise
-            return run.sse(prepend(first, turn))
-        return await run.whole(turn)
+            return _Target(sid, new=s is None, previous=None, conversation=conv_id)
+        return _Target("resp-" + uuid.uuid4().hex, new=True, previous=None, conversation=None)
 
     # --- GET / DELETE -------------------------------------------------------------------------------
     async def _stored(self, resp_id: str, authorization: str | None):
@@ -229,7 +197,86 @@ class Responses:
         return {"id": resp_id, "object": "response.deleted", "deleted": True}
 
 
-def _tool_echo(t: pb.Tool) -> dict:
+@dataclass(frozen=True)
+class _Options:
+    """A create request's own options (not the turn's)."""
+
+    model: str
+    stream: bool
+    store: bool
+    instructions: str | None
+    metadata: dict[str, str]
+    text: Any
+    """``text`` as given (checked to be an object with the turn's fields: its ``format`` is the turn's)."""
+
+
+@dataclass(frozen=True)
+class _Target:
+    """The session a response goes to."""
+
+    session_id: str
+    new: bool
+    """The session does not exist yet (``instructions`` become its system message)."""
+    previous: str | None
+    """``previous_response_id``, when it was given."""
+    conversation: Any
+    """``conversation``'s id, when it was given."""
+    expected_turn_index: int | None = None
+
+
+def _options(body: dict, served: str) -> _Options:
+    model = rq.check_model(body, served)
+    stream, store = body.get("stream", False), body.get("store", True)
+    if not isinstance(stream, bool) or not isinstance(store, bool):
+        raise invalid("stream and store must be booleans")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise invalid("instructions must be a string", "instructions")
+    metadata = body.get("metadata") or {}
+    if (
+        not isinstance(metadata, dict)
+        or len(metadata) > 16
+        or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in metadata.items()
+        )
+    ):
+        raise invalid("metadata must map at most 16 short strings to strings", "metadata")
+    return _Options(model, stream, store, instructions, metadata, body.get("text") or {})
+
+
+def _turn_fields(body: dict, opts: _Options) -> TurnRequest:
+    """Sampling, tools, tool_choice, ``text.format`` and the ``chainkv`` extension, checked."""
+    req = TurnRequest()
+    rq.set_sampling(req, body, ("max_output_tokens",))
+    rq.set_tools(req, body.get("tools"), nested=False)
+    rq.set_tool_choice(req, body.get("tool_choice"), nested=False)
+    if not isinstance(opts.text, dict):
+        raise invalid("text must be an object", "text")
+    rq.set_format(req, opts.text.get("format"), "text.format", nested=False)
+    rq.set_extension(req, body)
+    return req
+
+
+def _echo(opts: _Options, target: _Target, req: TurnRequest) -> dict:
+    """The request's settings as the response object repeats them."""
+    return {
+        "model": opts.model,
+        "instructions": opts.instructions,
+        "metadata": opts.metadata,
+        "previous_response_id": target.previous,
+        "conversation": {"id": target.session_id} if target.conversation is not None else None,
+        "store": opts.store,
+        "temperature": req.temperature if req.temperature is not None else 1.0,
+        "top_p": req.top_p if req.top_p is not None else 1.0,
+        "max_output_tokens": req.max_tokens,
+        "tools": [_tool_echo(t) for t in req.tools],
+        "tool_choice": _choice_echo(req.tool_choice),
+        "text": {"format": opts.text.get("format") or {"type": "text"}},
+        "parallel_tool_calls": False,
+    }
+
+
+def _tool_echo(t: Tool) -> dict:
     return {
         "type": "function",
         "name": t.name,
@@ -239,7 +286,7 @@ def _tool_echo(t: pb.Tool) -> dict:
     }
 
 
-def _choice_echo(c: pb.ToolChoice):
+def _choice_echo(c: ToolChoice):
     if c.mode == "function":
         return {"type": "function", "name": c.function_name}
     return c.mode or "auto"

@@ -22,6 +22,7 @@ import secrets
 import time
 from typing import Any
 
+from sidecar.session_ids import SessionKey
 from sidecar.store.record import Checksum, StoredSession, decode_fields, encode_fields, fence_bytes
 from sidecar.store_errors import (
     GenerationConflict,
@@ -157,11 +158,11 @@ class SessionStore:
         text = raw.decode("ascii", "replace")
         gen, _, tag = text.partition(".")
         if not gen.isdigit():
-            raise StoreError(f"the freshness fence of {key.split('/')[-1]!r} is malformed")
+            raise StoreError(f"the freshness fence of {SessionKey.id_of(key)!r} is malformed")
         if self.hmac_keys is not None:
             if not tag or not self.hmac_keys.verify(fence_bytes(key, int(gen)), tag):
                 raise SnapshotRejected(
-                    f"the freshness fence of {key.split('/')[-1]!r} fails its HMAC; refusing the session"
+                    f"the freshness fence of {SessionKey.id_of(key)!r} fails its HMAC; refusing the session"
                 )
         return int(gen)
 
