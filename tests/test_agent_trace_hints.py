@@ -19,6 +19,7 @@ from benchmarks.agent_hints import HintPolicy, TurnHints
 from benchmarks.agent_trace import Config, TraceParams, config_names, make_trace, run_config
 from engine.chain.hints import SessionHints
 from sidecar.protocol import session_hints
+from sidecar.turn_request import from_proto
 
 
 class RecordingClient:
@@ -31,7 +32,7 @@ class RecordingClient:
 
     async def stream_turn(self, session_id, messages, **options):
         req = build_turn_request(session_id, messages, **options)
-        hints = session_hints(req)
+        hints = session_hints(from_proto(req))
         if hints is not None and hints.pin_ttl_s is not None and self.refuse_pins:
             self.refuse_pins -= 1
             self.calls.append(("refused", session_id, hints))
@@ -116,8 +117,8 @@ def test_hints_flag_runs_each_chain_configuration_with_and_without_hints():
 
 def test_client_hint_options_reach_the_request_as_the_sidecar_reads_them():
     req = build_turn_request("s", [], priority=-4, pin_ttl_s=12.5)
-    assert session_hints(req) == SessionHints(priority=-4, pin_ttl_s=12.5)
-    assert session_hints(build_turn_request("s", [], release=True)) == SessionHints(release=True)
-    assert session_hints(build_turn_request("s", [], release=False)) is None
+    assert session_hints(from_proto(req)) == SessionHints(priority=-4, pin_ttl_s=12.5)
+    assert session_hints(from_proto(build_turn_request("s", [], release=True))) == SessionHints(release=True)
+    assert session_hints(from_proto(build_turn_request("s", [], release=False))) is None
     with pytest.raises(ValueError):
         build_turn_request("s", [], pin_ttl_s=1.0, release=True)
