@@ -96,6 +96,17 @@ def smollm2_dir():
 
 
 @pytest.fixture(scope="session")
+def generate_help() -> str:
+    """What ``python -m sidecar.cli generate --help`` prints: one subprocess for every test that reads it."""
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "generate", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+
+
+@pytest.fixture(scope="session")
 def smollm2_hf(smollm2_dir):
     """The parity oracle. Eager attention: HF's own sdpa path differs from its eager path by ~7e-5
     in SmolLM2's logits, so eager is the implementation to match to 1e-4."""

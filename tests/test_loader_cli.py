@@ -69,15 +69,12 @@ def test_config_vocabulary_is_one(tmp_path):
 
 
 @pytest.mark.slow  # a subprocess
-def test_generate_help_lists_methods():
-    out = subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", "generate", "--help"], capture_output=True, text=True, check=True
-    ).stdout
+def test_generate_help_lists_methods(generate_help):
     from engine.methods import REGISTRY
 
     for name in REGISTRY:
-        assert name in out
-    assert "n_sink=4" in out
+        assert name in generate_help
+    assert "n_sink=4" in generate_help
 
 
 @pytest.mark.slow
