@@ -267,7 +267,9 @@ class RecallTier:
         len_d = to_device(length, k.device)
         keep_recent = min(settings.recall_window, max(cap, 2) // 2)  # at most half the budget is pinned
         recent = (idx < T) & (idx >= (len_d - keep_recent)[..., None])
-        forced = valid & ((pos < protect) | recent)
+        # with a reserve the method's own tokens are never displaced: the recall only fills the room
+        # the method leaves (it keeps ``1 - recall_reserve`` of the budget)
+        forced = valid & ((pos < protect) | recent | ((idx < T) & (settings.recall_reserve > 0)))
         key = torch.where(forced, float("inf"), torch.where(valid, logit, float("-inf")))
         limit = torch.maximum(len_d, torch.full_like(len_d, cap))  # [L, H]
         order = key.argsort(dim=-1, descending=True, stable=True)

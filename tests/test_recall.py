@@ -132,12 +132,13 @@ def test_full_budget_recall_equals_dense(tiny_path):
 
 
 def test_without_recall_a_variant_is_its_base_until_something_is_recalled(tiny_path):
-    """Turn 1 of snapkv+recall with ``recall_scope="earlier"`` (nothing an earlier turn evicted to
-    recall) gives snapkv's tokens and keeps its KV; with the default scope (``all``) the turn's own
+    """Turn 1 of snapkv+recall at a budget of 24 with ``recall_scope="earlier"`` (nothing an earlier
+    turn evicted to recall) gives the tokens of snapkv at its share of the budget (18: a quarter is
+    the recall's reserve) and keeps its KV; with the default scope (``all``) the turn's own
     evictions are candidates at once, so the same turn recalls some of them."""
     engine = _engine(tiny_path)
     t = _turns(2)[:1]
-    base = _chat(engine, "a", t, MethodSpec("snapkv", budget=24))
+    base = _chat(engine, "a", t, MethodSpec("snapkv", budget=18))  # the method's share of 24 (a quarter reserved)
     earlier = MethodSpec("snapkv+recall", budget=24, method_args={"recall_scope": "earlier"})
     var = _chat(engine, "b", t, earlier)
     assert var == base
@@ -147,6 +148,30 @@ def test_without_recall_a_variant_is_its_base_until_something_is_recalled(tiny_p
     _chat(engine, "c", t, MethodSpec("snapkv+recall", budget=24))
     assert engine.controller.recall.recalled_tokens > recalled
     assert not torch.equal(engine.manager.positions("a"), engine.manager.positions("c"))
+
+
+def test_with_a_reserve_a_recall_adds_to_the_method_s_tokens_and_never_displaces_them(tiny_path):
+    """recall_reserve 0.25 (the default): the method keeps 18 of a 24 budget; every recall keeps
+    each head's device tokens and adds cold ones up to the budget."""
+    engine = _engine(tiny_path)
+    checked = []
+    orig = engine.controller.recall_now
+
+    def spy(seq_id, num_tokens, queries, at_input):
+        before = engine.manager.positions(seq_id).clone()
+        result = orig(seq_id, num_tokens, queries, at_input)
+        after = engine.manager.positions(seq_id)
+        for layer in range(before.shape[0]):
+            for h in range(before.shape[1]):
+                held = set(before[layer, h][before[layer, h] >= 0].tolist())
+                now = set(after[layer, h][after[layer, h] >= 0].tolist())
+                assert held <= now and len(now) <= max(24, len(held))
+        checked.append(result.recalled)
+        return result
+
+    engine.controller.recall_now = spy
+    _chat(engine, "s", _turns(3), MethodSpec("snapkv+recall", budget=24))
+    assert checked and sum(checked) > 0 and engine.controller.recall.recalled_tokens > 0
 
 
 def test_recall_pool_ranks_a_record_with_the_key_its_query_attends():
@@ -188,13 +213,16 @@ def _exact_top(engine, sid, before: int) -> torch.Tensor:
     return best
 
 
-def test_a_token_evicted_in_turn_one_that_turn_three_needs_is_back_when_it_decodes(tiny_path):
+@pytest.mark.parametrize("reserve", [0.0, 0.5])
+def test_a_token_evicted_in_turn_one_that_turn_three_needs_is_back_when_it_decodes(tiny_path, reserve):
     """Turn 1's tokens are evicted by streaming_llm (its window moves past them in turn 2); when turn
     3's input is in, the turn-1 token its queries attend most (recomputed here from every key the
     session holds), if an earlier turn evicted it, is on the device before turn 3's first token."""
     engine = _engine(tiny_path)
     # every cold block a candidate: the bounds only shortlist blocks, the exact logits decide
-    args = {"recall_pages": 64, "recall_window": 8}
+    # (recall_pool=1: each token ranks by its own logit, as recomputed below; recall_reserve 0: the
+    # recall competes with the whole unpinned budget, 0.5: it fills half the budget, never displacing)
+    args = {"recall_pages": 64, "recall_window": 8, "recall_pool": 1, "recall_reserve": reserve}
     sid, spec = "n", MethodSpec("streaming_llm+recall", budget=48, method_args=args)
     turns = _turns(3)
     run_turn(engine, sid, turns[0], GREEDY, method=spec)
@@ -304,6 +332,9 @@ def test_host_memory_bound_holds_and_drops_what_does_not_fit(tiny_path):
         ("snapkv+recall", {"recall_pool": 0}, "recall_pool"),
         ("snapkv+recall", {"recall_pool": 65}, "recall_pool"),
         ("snapkv+recall", {"recall_scope": "later"}, "recall_scope"),
+        ("snapkv+recall", {"recall_reserve": 1.0}, "recall_reserve"),
+        ("snapkv+recall", {"recall_reserve": float("nan")}, "recall_reserve"),
+        ("snapkv+recall", {"recall_reserve": -0.1}, "recall_reserve"),
         ("snapkv+recall", {"cold_format": "int3"}, "cold_format"),
         ("snapkv+recall", {"recall_rerun": "maybe"}, "recall_rerun"),
         ("quest+recall", {}, "keeps every token"),

@@ -28,6 +28,11 @@ Parameters (besides the base method's):
     recall_scope = "all"      which cold blocks a turn's input may recall: ``all``, or ``earlier`` (only
                               what earlier turns evicted: the method's choice for this turn stands,
                               so a variant's first turn is its base method's, token for token)
+    recall_reserve = 0.25     the share of the budget the recall fills: the method itself keeps the
+                              rest, and a recall never displaces what the method kept, only what an
+                              earlier recall brought (the method's next compression weighs those like
+                              its own tokens). 0: the method keeps the whole budget and a recall
+                              competes with all of it (but the pinned), displacing the lowest logits
     recall_interval = None    decode steps between recalls while a reply is decoded (None: recall
                               only when a turn's input is in); 0 is refused
     recall_rerun = True       run the turn's last input token again after a recall
@@ -53,6 +58,7 @@ class RecallParams:
     recall_window: int = 32
     recall_pool: int = 9
     recall_scope: str = "all"
+    recall_reserve: float = 0.25
     recall_interval: int | None = None
     recall_rerun: bool = True
     cold_format: str = "plain"
@@ -71,6 +77,9 @@ class RecallParams:
             raise bad(f"recall_window must be in [1, 4096] queries, not {self.recall_window}")
         if not (1 <= self.recall_pool <= 63 and self.recall_pool % 2 == 1):
             raise bad(f"recall_pool must be an odd number of positions in [1, 63], not {self.recall_pool}")
+        r = self.recall_reserve
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
+            raise bad(f"recall_reserve must be a share of the budget in [0, 1), not {r!r}")
         if self.recall_scope not in RECALL_SCOPES:
             raise bad(f"recall_scope must be one of {', '.join(RECALL_SCOPES)}, not {self.recall_scope!r}")
         i = self.recall_interval
@@ -104,7 +113,21 @@ def recall_variant(base: type[SparseMethod]) -> type[SparseMethod]:
     fields = [(f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(RecallParams)]
     params = dataclasses.make_dataclass(f"{base.__name__}RecallParams", fields, bases=bases)
 
+    def budget_for(self, num_tokens: int) -> int | None:
+        """The method's own share: the budget less the recall's reserve."""
+        full = base.budget_for(self, num_tokens)
+        return None if full is None else max(1, full - int(full * self.recall_params.recall_reserve))
+
+    def recall_budget(self, num_tokens: int) -> int | None:
+        """The head's whole device budget, the recall's reserve included."""
+        return base.budget_for(self, num_tokens)
+
+    def kept_tokens(self, num_tokens: int) -> int:
+        full = base.budget_for(self, num_tokens)
+        return num_tokens if full is None else min(num_tokens, full + self.kept_slack())
+
     def __init__(self, spec, shape):
+        self.recall_params = RecallParams()  # the base's constructor may ask for a budget
         base.__init__(self, spec, shape)
         self.recall_params = RecallParams(**{k: getattr(self.params, k) for k in _RECALL_FIELDS})
         self.recall_params.check(self.name)
@@ -122,6 +145,9 @@ def recall_variant(base: type[SparseMethod]) -> type[SparseMethod]:
             "__init__": __init__,
             "__module__": base.__module__,
             "recall_settings": lambda self: self.recall_params,
+            "budget_for": budget_for,
+            "recall_budget": recall_budget,
+            "kept_tokens": kept_tokens,
         },
     )
     _VARIANTS[base] = variant
