@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random HF models (fast, fixed seed) and the real SmolLM2 engine.
+"""Shared fixtures: tiny random HF models (fast, fixed seed) and the real SmolLM2 engine. Every test
+builds its engines with ``make_engine`` (only tests of invalid configs call ``LLMEngine`` themselves).
 
 Test tiers: every test that loads SmolLM2 is marked ``slow`` — here, for every test whose fixtures
 (directly or through other fixtures) include one of ``SMOLLM2_FIXTURES``; by hand (``@pytest.mark.slow``)
