@@ -32,7 +32,8 @@ Routing. Every session call carries its session id as ``x-session-id`` metadata,
 front of a pool of replicas hashes on to keep the session on the replica holding its KV
 (docs/deploy.md).
 
-The retry machinery and errors live in ``agent_adapters.retry``, the TurnRequest and the stream's
+The settings of every call (metadata, deadline, retry policy) live in ``agent_adapters.call_settings``,
+the retry machinery and errors in ``agent_adapters.retry``, the TurnRequest and the stream's
 resumption in ``agent_adapters.turns``; their public names are importable from here too.
 
 Only the generated stubs are imported (no engine, no torch): ``pip install chainkv[client]``.
@@ -46,8 +47,9 @@ from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
 
 import grpc
 
+from agent_adapters.call_settings import CallSettings, RetryPolicy
 from agent_adapters.messages import ChatMessage, MessageLike, TextDelta, ToolCall, ToolLike, TurnEvent, TurnResult
-from agent_adapters.retry import ChainKVError, RetryPolicy, StreamDiverged, _Attempts
+from agent_adapters.retry import ChainKVError, StreamDiverged, _Attempts
 from agent_adapters.turns import HINT_FIELDS, METHOD_FIELDS, SAMPLING_FIELDS, _Resume, build_turn_request
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
@@ -74,8 +76,8 @@ def _channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
 
 
 class _Base:
-    """What both clients share: the settings of every call (auth metadata, deadline, retry policy) and
-    one channel to ``target`` with its stub, opened with ``channels`` (``grpc`` or ``grpc.aio``)."""
+    """What both clients share: the settings of every call (``settings``: auth metadata, deadline, retry
+    policy) and one channel to ``target`` with its stub, opened with ``channels`` (``grpc`` or ``grpc.aio``)."""
 
     def __init__(
         self,
@@ -88,9 +90,11 @@ class _Base:
         max_message_bytes: int,
     ):
         self.target = target
-        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self.timeout_s = timeout_s
-        self.retry = retry or RetryPolicy()
+        self.settings = CallSettings(
+            metadata=(("authorization", f"Bearer {token}"),) if token else (),
+            timeout_s=timeout_s,
+            retry=retry or RetryPolicy(),
+        )
         options = _channel_options(max_message_bytes)
         if tls_ca is None:
             self.channel = channels.insecure_channel(target, options=options)
@@ -102,12 +106,15 @@ class _Base:
 
     def _turn_attempts(self, req: pb.TurnRequest, timeout_s: float | None) -> _Attempts:
         """A Turn is retried only with a request_id (the server then replays instead of running twice)."""
-        return _Attempts(self, timeout_s, repeatable=bool(req.request_id), session_id=req.session_id)
+        return _Attempts(self.settings, timeout_s, repeatable=bool(req.request_id), session_id=req.session_id)
 
     def _unary_attempts(self, method: str, request, timeout_s: float | None) -> _Attempts:
         """Every session RPC sends its session id as ``x-session-id`` metadata (a pool's proxy routes on it)."""
         return _Attempts(
-            self, timeout_s, repeatable=method not in _NOT_REPEATABLE, session_id=getattr(request, "session_id", "")
+            self.settings,
+            timeout_s,
+            repeatable=method not in _NOT_REPEATABLE,
+            session_id=getattr(request, "session_id", ""),
         )
 
 

@@ -10,20 +10,15 @@ deadline.
 
 from __future__ import annotations
 
-import random
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
+from agent_adapters.call_settings import CallSettings
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-
 from sidecar.session_ids import SESSION_HEADER
-
-if TYPE_CHECKING:
-    from agent_adapters.client import _Base
 
 BUSY_DETAILS = "a turn is already running"
 """How the sidecar's ABORTED for a busy session begins (engine/chain/errors.py SessionBusy)."""
@@ -63,19 +58,6 @@ class StreamDiverged(ChainKVError):
     than the events already delivered; the session holds the new run's reply."""
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    max_attempts: int = 4
-    initial_backoff_s: float = 0.1
-    max_backoff_s: float = 2.0
-    multiplier: float = 2.0
-
-    def backoff(self, attempt: int) -> float:
-        """Seconds to wait before attempt ``attempt`` (1-based retries), with jitter."""
-        base = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** (attempt - 1))
-        return base * (0.5 + random.random() / 2)
-
-
 def _retryable(code: grpc.StatusCode, attempt: int) -> bool:
     """Whether a failure of 0-based ``attempt`` with ``code`` may be retried (see the module docstring)."""
     return code is grpc.StatusCode.UNAVAILABLE or (code is grpc.StatusCode.ABORTED and attempt > 0)
@@ -88,15 +70,15 @@ def _busy(e: grpc.RpcError) -> bool:
 
 class _Attempts:
     """The retry state of one logical call, shared by the sync and asyncio clients: one deadline over all
-    attempts (``timeout_s``, else the client's), the options each attempt is sent with, and whether and
+    attempts (``timeout_s``, else the client's ``settings``), the options each attempt is sent with, and whether and
     after how long a failed attempt is retried (``repeatable``: the call may be sent again, i.e. a Turn
     with a request_id or an idempotent session RPC; the error is retryable; attempts and deadline left)."""
 
-    def __init__(self, client: "_Base", timeout_s: float | None, repeatable: bool, session_id: str = ""):
-        t = client.timeout_s if timeout_s is None else timeout_s
+    def __init__(self, settings: CallSettings, timeout_s: float | None, repeatable: bool, session_id: str = ""):
+        t = settings.timeout_s if timeout_s is None else timeout_s
         self.deadline = None if t is None else time.monotonic() + t
-        self.policy, self.repeatable = client.retry, repeatable
-        self.metadata = client.metadata + ((SESSION_HEADER, session_id),) if session_id else client.metadata
+        self.policy, self.repeatable = settings.retry, repeatable
+        self.metadata = settings.metadata + ((SESSION_HEADER, session_id),) if session_id else settings.metadata
         self.count = 0
 
     def next(self) -> dict[str, Any]:

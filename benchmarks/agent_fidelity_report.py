@@ -6,7 +6,7 @@ dense against the budget, one line per method with and without recall) is writte
 
 from __future__ import annotations
 
-from benchmarks.report import RESULTS, line_chart_svg, table
+from benchmarks.report_format import RESULTS, line_chart_svg, table
 
 
 def _pct(x) -> str | None:

@@ -6,7 +6,7 @@ against turn distance, one line per method, one chart per budget) is written nex
 
 from __future__ import annotations
 
-from benchmarks.report import RESULTS, line_chart_svg, table
+from benchmarks.report_format import RESULTS, line_chart_svg, table
 
 
 def _budget(b) -> str:

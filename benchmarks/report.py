@@ -9,26 +9,15 @@ table, so the numbers in the docs are always the committed ones.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: benchmarks/ is not on the path
+
+from benchmarks import agent_fidelity_report, agent_quality_report  # noqa: E402
+from benchmarks.report_format import RESULTS, ROOT, line_chart_svg, table  # noqa: E402
+
 DOC = ROOT / "docs" / "benchmarks.md"
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 100 else f"{v:,.0f}"
-    return str(v)
-
-
-def table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
-    out = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        out.append("| " + " | ".join(_fmt(r.get(k)) for k, _ in cols) + " |")
-    return "\n".join(out)
 
 
 def decode_section(d: dict, stem: str = "decode_throughput") -> str:
@@ -175,42 +164,6 @@ def reliability_section(d: dict) -> str:
             load_line,
         ]
     )
-
-
-def line_chart_svg(
-    series: dict[str, list[float]], title: str, xlabel: str, ylabel: str, xticks: list | None = None
-) -> str:
-    """A small dependency-free SVG line chart (one line per series, x = 0, 1, 2, ... or ``xticks``)."""
-    w, h, left, right, top, bottom = 640, 360, 64, 150, 36, 48
-    n = max(len(v) for v in series.values())
-    ymax = max(max(v) for v in series.values()) * 1.1 or 1.0
-    px = lambda i: left + (w - left - right) * (i / max(1, n - 1))  # noqa: E731
-    py = lambda y: h - bottom - (h - top - bottom) * (y / ymax)  # noqa: E731
-    colors = ["#555", "#2a7", "#27c", "#c72", "#a3a", "#c33", "#7a2", "#0aa", "#a60", "#66f", "#e4a", "#4a4", "#940"]
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
-        f'<rect width="{w}" height="{h}" fill="white"/>',
-        f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="13">{title}</text>',
-        f'<line x1="{left}" y1="{h - bottom}" x2="{w - right}" y2="{h - bottom}" stroke="black"/>',
-        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{h - bottom}" stroke="black"/>',
-        f'<text x="{(left + w - right) / 2}" y="{h - 12}" text-anchor="middle">{xlabel}</text>',
-        f'<text x="16" y="{(top + h - bottom) / 2}" text-anchor="middle" transform="rotate(-90 16 {(top + h - bottom) / 2})">{ylabel}</text>',
-    ]
-    for k in range(5):
-        y = ymax * k / 4
-        out.append(f'<text x="{left - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{y:.3g}</text>')
-        out.append(f'<line x1="{left}" y1="{py(y):.1f}" x2="{w - right}" y2="{py(y):.1f}" stroke="#ddd"/>')
-    for i in range(n):
-        out.append(
-            f'<text x="{px(i):.1f}" y="{h - bottom + 16}" text-anchor="middle">{i if xticks is None else xticks[i]}</text>'
-        )
-    for j, (name, ys) in enumerate(series.items()):
-        c = colors[j % len(colors)]
-        pts = " ".join(f"{px(i):.1f},{py(y):.1f}" for i, y in enumerate(ys))
-        out.append(f'<polyline points="{pts}" fill="none" stroke="{c}" stroke-width="2"/>')
-        out.append(f'<text x="{w - right + 10}" y="{top + 16 * j + 10}" fill="{c}">{name}</text>')
-    out.append("</svg>")
-    return "\n".join(out)
 
 
 def _hints_text(sent: dict | None) -> str:
@@ -442,30 +395,14 @@ RENDERERS = {
 
 
 def _agent_quality(stem: str):
-    def render(d: dict) -> str:
-        import sys
-
-        sys.path.insert(0, str(ROOT))  # run as a script, benchmarks/ is not a package on the path
-        from benchmarks.agent_quality_report import section  # it imports this module
-
-        return section(d, stem)
-
-    return render
+    return lambda d: agent_quality_report.section(d, stem)
 
 
 RENDERERS.update({s: _agent_quality(s) for s in ("agent_quality_cpu", "agent_quality_gpu")})
 
 
 def _agent_fidelity(stem: str):
-    def render(d: dict) -> str:
-        import sys
-
-        sys.path.insert(0, str(ROOT))
-        from benchmarks.agent_fidelity_report import section  # it imports this module
-
-        return section(d, stem)
-
-    return render
+    return lambda d: agent_fidelity_report.section(d, stem)
 
 
 def main() -> None:

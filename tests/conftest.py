@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random HF models (fast, fixed seed) and the real SmolLM2 engine.
+"""Shared fixtures: tiny random HF models (fast, fixed seed) and the real SmolLM2 engine. Every test
+builds its engines with ``make_engine`` (only tests of invalid configs call ``LLMEngine`` themselves).
 
 Test tiers: every test that loads SmolLM2 is marked ``slow`` — here, for every test whose fixtures
 (directly or through other fixtures) include one of ``SMOLLM2_FIXTURES``; by hand (``@pytest.mark.slow``)
@@ -74,6 +75,25 @@ def make_tiny(arch: str, path, seed: int = 0, **extra):
     return model
 
 
+def make_engine(model: str | None, base: dict | None = None, /, *, random_weights: bool = False, **config):
+    """An ``LLMEngine`` on the model folder ``model`` (a tiny one: ``make_tiny``'s folder, ``tiny_models(arch)[0]``,
+    ``tiny_chat_dir``; None: ``EngineConfig``'s default model, SmolLM2) with the ``EngineConfig`` fields of
+    ``base`` (settings a test module shares, e.g. ``SMALL_PAGES_CPU``) and ``config`` over them. Nothing is
+    defaulted here: an engine is configured as its test spells it. ``random_weights``: the weights are not
+    loaded (a folder that holds only a config)."""
+    from engine.config import EngineConfig
+    from engine.llm import LLMEngine
+
+    fields = {**(base or {}), **config}
+    if model is not None:
+        fields["model"] = str(model)
+    return LLMEngine(EngineConfig(**fields), random_weights=random_weights)
+
+
+SMALL_PAGES_CPU = dict(device="cpu", page_size=4, prefill_chunk_size=32, max_num_batched_tokens=256)
+"""Engine settings for session tests on a tiny model: 4-token pages, so a few turns span many pages."""
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """arch -> (folder, HF model); built once per session."""
@@ -118,10 +138,7 @@ def smollm2_hf(smollm2_dir):
 @pytest.fixture(scope="session")
 def smol_engine():
     """A SmolLM2 engine shared by tests that do not constrain the pool (default dense method)."""
-    from engine.config import EngineConfig
-    from engine.llm import LLMEngine
-
-    return LLMEngine(EngineConfig(num_pages=40000, prefill_chunk_size=128, max_num_batched_tokens=1024))
+    return make_engine(None, num_pages=40000, prefill_chunk_size=128, max_num_batched_tokens=1024)
 
 
 def chat(engine, text: str) -> list[int]:
@@ -175,11 +192,9 @@ def tiny_chat_dir(tmp_path_factory, smollm2_dir):
 def tiny_chat_server(tiny_chat_dir):
     """One in-process sidecar (gRPC, no store, default options) on an engine of ``tiny_chat_dir``, shared by
     the modules that need only "a server on the tiny chat model" (they use their own session ids)."""
-    from engine.config import EngineConfig
-    from engine.llm import LLMEngine
     from sidecar.server import ServerOptions, ServerThread
 
-    engine = LLMEngine(EngineConfig(model=tiny_chat_dir, num_pages=4000, prefill_chunk_size=128, max_model_len=2048))
+    engine = make_engine(tiny_chat_dir, num_pages=4000, prefill_chunk_size=128, max_model_len=2048)
     server = ServerThread(engine, ServerOptions(port=0))
     server.start()
     yield server

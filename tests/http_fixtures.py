@@ -7,17 +7,14 @@ from __future__ import annotations
 import httpx
 from test_http_front import Live
 
+from tests.conftest import make_engine
+
 
 def live_server(tiny_chat_dir, tmp_path_factory, **engine_settings):
     """``engine_settings``: more ``EngineConfig`` fields."""
-    from engine.config import EngineConfig
-    from engine.llm import LLMEngine
     from sidecar.store import open_store
 
-    config = EngineConfig(
-        model=tiny_chat_dir, num_pages=4000, prefill_chunk_size=128, max_model_len=4096, **engine_settings
-    )
-    engine = LLMEngine(config)
+    engine = make_engine(tiny_chat_dir, num_pages=4000, prefill_chunk_size=128, max_model_len=4096, **engine_settings)
     server = Live(engine, open_store(str(tmp_path_factory.mktemp("chain-store"))))
     yield server
     server.stop()

@@ -7,7 +7,8 @@ import pytest
 
 from agent_adapters.ledger import SessionLedger, session_id_for
 from agent_adapters.messages import ChatMessage, TextDelta, ToolCall, TurnResult, Usage
-from agent_adapters.retry import ChainKVError, RetryPolicy, StreamDiverged, _Attempts
+from agent_adapters.call_settings import CallSettings, RetryPolicy
+from agent_adapters.retry import ChainKVError, StreamDiverged, _Attempts
 from agent_adapters.turns import _Resume, build_turn_request
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 
@@ -94,22 +95,23 @@ class _Failed(grpc.RpcError):
         return "failed"
 
 
-class _Client:
-    """What _Attempts reads of a client."""
-
-    def __init__(self, timeout_s=None, max_attempts: int = 3):
-        self.timeout_s, self.metadata = timeout_s, (("authorization", "Bearer t"),)
-        self.retry = RetryPolicy(max_attempts=max_attempts, initial_backoff_s=0.1, max_backoff_s=0.3)
+def _settings(timeout_s=None, max_attempts: int = 3) -> CallSettings:
+    """The settings of a client's calls, which _Attempts reads."""
+    return CallSettings(
+        metadata=(("authorization", "Bearer t"),),
+        timeout_s=timeout_s,
+        retry=RetryPolicy(max_attempts=max_attempts, initial_backoff_s=0.1, max_backoff_s=0.3),
+    )
 
 
 def test_attempts_retry_unavailable_then_aborted_up_to_max_attempts():
-    a = _Attempts(_Client(), None, repeatable=True)
+    a = _Attempts(_settings(), None, repeatable=True)
     first = a.next()
-    assert first["wait_for_ready"] is False and first["timeout"] is None and first["metadata"] == _Client().metadata
+    assert first["wait_for_ready"] is False and first["timeout"] is None and first["metadata"] == _settings().metadata
     with pytest.raises(ChainKVError) as e:
         a.backoff_after(_Failed(grpc.StatusCode.ABORTED))  # ABORTED on the first attempt is final
     assert e.value.code is grpc.StatusCode.ABORTED and e.value.attempts == 1
-    a = _Attempts(_Client(), None, repeatable=True)
+    a = _Attempts(_settings(), None, repeatable=True)
     a.next()
     assert 0.05 <= a.backoff_after(_Failed(grpc.StatusCode.UNAVAILABLE)) <= 0.1  # jittered initial backoff
     assert a.next()["wait_for_ready"] is True
@@ -122,9 +124,9 @@ def test_attempts_retry_unavailable_then_aborted_up_to_max_attempts():
 
 def test_attempts_not_repeatable_other_codes_and_the_deadline_are_final():
     for client, repeatable, code in [
-        (_Client(), False, grpc.StatusCode.UNAVAILABLE),
-        (_Client(), True, grpc.StatusCode.INVALID_ARGUMENT),
-        (_Client(timeout_s=0.0), True, grpc.StatusCode.UNAVAILABLE),
+        (_settings(), False, grpc.StatusCode.UNAVAILABLE),
+        (_settings(), True, grpc.StatusCode.INVALID_ARGUMENT),
+        (_settings(timeout_s=0.0), True, grpc.StatusCode.UNAVAILABLE),
     ]:
         a = _Attempts(client, None, repeatable=repeatable)
         opts = a.next()
@@ -132,7 +134,7 @@ def test_attempts_not_repeatable_other_codes_and_the_deadline_are_final():
             a.backoff_after(_Failed(code))
         assert e.value.code is code and e.value.attempts == 1
     assert opts["timeout"] == 0.0  # the call's deadline had passed: no time left for the attempt
-    a = _Attempts(_Client(timeout_s=0.0), 60.0, repeatable=True)  # the call's timeout_s overrides the client's
+    a = _Attempts(_settings(timeout_s=0.0), 60.0, repeatable=True)  # the call's timeout_s overrides the client's
     assert 0 < a.next()["timeout"] <= 60.0
 
 
@@ -145,18 +147,18 @@ class _Busy(_Failed):
 
 
 def test_a_busy_session_is_retried_for_every_call_until_the_deadline():
-    a = _Attempts(_Client(timeout_s=60.0, max_attempts=2), None, repeatable=False)  # even a fork / a prune
+    a = _Attempts(_settings(timeout_s=60.0, max_attempts=2), None, repeatable=False)  # even a fork / a prune
     for _ in range(5):  # past max_attempts: the deadline bounds busy retries
         a.next()
         assert 0.0 < a.backoff_after(_Busy()) <= 0.3
-    a = _Attempts(_Client(max_attempts=2), None, repeatable=True)  # no deadline: max_attempts bounds them
+    a = _Attempts(_settings(max_attempts=2), None, repeatable=True)  # no deadline: max_attempts bounds them
     a.next()
     assert a.backoff_after(_Busy()) > 0
     a.next()
     with pytest.raises(ChainKVError) as e:
         a.backoff_after(_Busy())
     assert e.value.code is grpc.StatusCode.ABORTED and e.value.attempts == 2
-    a = _Attempts(_Client(timeout_s=0.0), None, repeatable=True)  # no time left: final
+    a = _Attempts(_settings(timeout_s=0.0), None, repeatable=True)  # no time left: final
     a.next()
     with pytest.raises(ChainKVError):
         a.backoff_after(_Busy())
@@ -200,7 +202,7 @@ def test_both_clients_open_a_tls_channel_with_the_ca_and_a_plain_one_without(tmp
     sync_client = ChainKVClient("h:1", tls_ca=str(ca), token="t")
     async_client = AsyncChainKVClient("h:2", tls_ca=str(ca))
     assert seen == [(grpc, "h:1", ("creds", b"CA BYTES")), (grpc.aio, "h:2", ("creds", b"CA BYTES"))]
-    assert sync_client.metadata == (("authorization", "Bearer t"),) and async_client.metadata == ()
+    assert sync_client.settings.metadata == (("authorization", "Bearer t"),) and async_client.settings.metadata == ()
     plain = ChainKVClient("h:3", max_message_bytes=123)
     assert isinstance(plain.channel, grpc.Channel) and plain.stub is not None
     plain.close()

@@ -13,6 +13,7 @@ import pytest
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
+from tests.conftest import make_engine
 
 TOKENS = {"tok-alpha": "alpha", "tok-beta": "beta"}
 ALPHA = (("authorization", "Bearer tok-alpha"),)
@@ -21,22 +22,18 @@ BETA = (("authorization", "Bearer tok-beta"),)
 
 @pytest.fixture(scope="module")
 def live(tiny_chat_dir):
-    from engine.config import EngineConfig
-    from engine.llm import LLMEngine
     from sidecar.auth import Authenticator
     from sidecar.http.app import HttpFront, HttpOptions
     from sidecar.limits import TenantLimits
     from sidecar.server import ServerOptions, ServerThread
 
-    engine = LLMEngine(
-        EngineConfig(
-            model=tiny_chat_dir,
-            num_pages=6000,
-            prefill_chunk_size=128,
-            max_model_len=4096,
-            max_pin_ttl_s=120.0,
-            max_pinned_fraction=0.05,
-        )
+    engine = make_engine(
+        tiny_chat_dir,
+        num_pages=6000,
+        prefill_chunk_size=128,
+        max_model_len=4096,
+        max_pin_ttl_s=120.0,
+        max_pinned_fraction=0.05,
     )
     options = ServerOptions(
         port=0, auth=Authenticator(TOKENS), tenant_limits=TenantLimits(max_pinned_sessions_per_tenant=1)

@@ -9,18 +9,11 @@ import math
 import pytest
 
 from engine.chain import ChainState, InvalidHint, PinLimit, SessionHints
-from engine.config import EngineConfig
-from engine.llm import LLMEngine
 from engine.sampling import SamplingParams
 
-from tests.conftest import run_turn
+from tests.conftest import SMALL_PAGES_CPU, make_engine, run_turn
 
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
-
-
-def _engine(path, **kw):
-    cfg = dict(model=path, device="cpu", page_size=4, prefill_chunk_size=32, max_num_batched_tokens=256)
-    return LLMEngine(EngineConfig(**{**cfg, **kw}))
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +23,7 @@ def tiny(tiny_models):
 
 @pytest.fixture(scope="module")
 def roomy(tiny):
-    return _engine(tiny, num_pages=4000, max_pin_ttl_s=600.0)
+    return make_engine(tiny, SMALL_PAGES_CPU, num_pages=4000, max_pin_ttl_s=600.0)
 
 
 def prompt(i: int, n: int = 40) -> list[int]:
@@ -59,7 +52,7 @@ def test_a_resident_turn_is_served_before_a_cold_sessions_swap_in_completes(tiny
         engine.add_turn("warm", prompt(6, 6), GREEDY)
         return drain(engine, {"cold", "warm"})
 
-    eng = _engine(tiny, num_pages=4000)
+    eng = make_engine(tiny, SMALL_PAGES_CPU, num_pages=4000)
     tiers = eng.chains.tiers
     warm_tokens_at_restore = []
     restore = tiers.restore
@@ -75,12 +68,12 @@ def test_a_resident_turn_is_served_before_a_cold_sessions_swap_in_completes(tiny
     assert warm_tokens_at_restore and warm_tokens_at_restore[0] >= 1
     assert outs["cold"].timing.swap_in_s > 0 and outs["warm"].timing.swap_in_s == 0
     # and the cold session's reply is what it would have been had it never left the GPU
-    ref = play(_engine(tiny, num_pages=4000), demote=False)
+    ref = play(make_engine(tiny, SMALL_PAGES_CPU, num_pages=4000), demote=False)
     assert outs["cold"].token_ids == ref["cold"].token_ids and outs["warm"].token_ids == ref["warm"].token_ids
 
 
 def test_a_short_prefill_is_not_stuck_behind_a_long_one(tiny):
-    eng = _engine(tiny, num_pages=4000, prefill_chunk_size=32, max_num_batched_tokens=32)
+    eng = make_engine(tiny, SMALL_PAGES_CPU, num_pages=4000, prefill_chunk_size=32, max_num_batched_tokens=32)
     eng.add_request(prompt(1, 200), GREEDY, request_id="long")
     eng.add_request(prompt(2, 8), GREEDY, request_id="short")
     first_step = {}
@@ -101,7 +94,7 @@ def test_a_short_prefill_is_not_stuck_behind_a_long_one(tiny):
 def _admission_order(tiny, max_bypass: int) -> list[str]:
     """A long prompt queued first, then one short one arriving every step, two running at a time:
     the order requests were admitted in."""
-    eng = _engine(tiny, num_pages=4000, max_num_seqs=2, max_bypass=max_bypass)
+    eng = make_engine(tiny, SMALL_PAGES_CPU, num_pages=4000, max_num_seqs=2, max_bypass=max_bypass)
     eng.add_request(prompt(1, 64), GREEDY, request_id="long")
     eng.add_request(prompt(9, 8), GREEDY, request_id="short")
     order: list[str] = []
@@ -121,7 +114,7 @@ def test_an_overtaken_request_goes_first_after_max_bypass(tiny):
 
 
 def test_prefill_shares_a_decoding_step_up_to_its_budget(tiny, monkeypatch):
-    eng = _engine(tiny, num_pages=4000, prefill_tokens_while_decoding=8)
+    eng = make_engine(tiny, SMALL_PAGES_CPU, num_pages=4000, prefill_tokens_while_decoding=8)
     eng.add_request(prompt(1, 16), SamplingParams(max_tokens=30, ignore_eos=True), request_id="decoding")
     while not eng.stats()["decoded_tokens"]:
         eng.step()
@@ -160,7 +153,9 @@ def _pressure(eng, n: int = 3):
 
 def test_a_pinned_session_is_not_demoted_while_its_pin_holds(tiny):
     one_session = 3 * 2 * (48 // 4)  # layers x kv-heads x pages of a 44-token history
-    eng = _engine(tiny, num_pages=2 * one_session + 12, max_pinned_fraction=0.5, max_cached_seqs=64)
+    eng = make_engine(
+        tiny, SMALL_PAGES_CPU, num_pages=2 * one_session + 12, max_pinned_fraction=0.5, max_cached_seqs=64
+    )
     clock = Clock()
     eng.chains.tiers.clock = clock
     run_turn(eng, "pinned", prompt(1), GREEDY, hints=SessionHints(pin_ttl_s=30.0))
@@ -177,7 +172,7 @@ def test_a_pinned_session_is_not_demoted_while_its_pin_holds(tiny):
 
 
 def test_a_release_ends_the_pin_and_moves_the_session_off_the_gpu(tiny):
-    eng = _engine(tiny, num_pages=4000)
+    eng = make_engine(tiny, SMALL_PAGES_CPU, num_pages=4000)
     run_turn(eng, "agent", prompt(1), GREEDY, hints=SessionHints(pin_ttl_s=60.0))
     chain = eng.chains.chains["agent"]
     assert chain.pinned(eng.chains.tiers.clock()) and eng.manager.has("agent")
@@ -191,7 +186,7 @@ def test_a_release_ends_the_pin_and_moves_the_session_off_the_gpu(tiny):
 
 def test_priority_orders_demotion(tiny):
     one_session = 3 * 2 * (48 // 4)
-    eng = _engine(tiny, num_pages=2 * one_session + 12, max_cached_seqs=64)
+    eng = make_engine(tiny, SMALL_PAGES_CPU, num_pages=2 * one_session + 12, max_cached_seqs=64)
     run_turn(eng, "high", prompt(1), GREEDY, hints=SessionHints(priority=5))
     run_turn(eng, "low", prompt(2), GREEDY, hints=SessionHints(priority=-5))
     run_turn(eng, "new", prompt(3), GREEDY)
@@ -201,7 +196,9 @@ def test_priority_orders_demotion(tiny):
 
 
 def test_pins_past_the_pools_pin_share_are_refused(tiny):
-    eng = _engine(tiny, num_pages=400, max_pinned_fraction=0.1)  # 40 pages; one 44-token session takes 72
+    eng = make_engine(
+        tiny, SMALL_PAGES_CPU, num_pages=400, max_pinned_fraction=0.1
+    )  # 40 pages; one 44-token session takes 72
     with pytest.raises(PinLimit, match="at most 40"):
         eng.add_turn("greedy", prompt(1), GREEDY, hints=SessionHints(pin_ttl_s=10.0))
     assert "greedy" not in eng.chains.chains and not eng.has_unfinished()
@@ -236,7 +233,7 @@ def test_hostile_hints_are_refused_and_change_nothing(roomy, hints):
 
 
 def test_each_turn_reports_where_its_time_went(tiny):
-    eng = _engine(tiny, num_pages=4000)
+    eng = make_engine(tiny, SMALL_PAGES_CPU, num_pages=4000)
     first = run_turn(eng, "s", prompt(1, 80), GREEDY)
     t = first.timing
     assert t is not None and t.prefill_s > 0 and t.decode_s > 0 and t.decode_steps == GREEDY.max_tokens - 1

@@ -9,12 +9,10 @@ import torch
 
 from engine.cache.snapshot import SessionSnapshot, SnapshotError
 from engine.chain import HistoryMismatch, SessionBusy, SessionNotFound, TurnIndexMismatch
-from engine.config import EngineConfig
 from engine.lifecycle import MethodSpec
-from engine.llm import LLMEngine
 from engine.sampling import SamplingParams
 
-from tests.conftest import first_turn, haystack, next_turn, run_turn
+from tests.conftest import first_turn, haystack, make_engine, next_turn, run_turn
 
 L, H, P = 30, 3, 16
 GREEDY = SamplingParams(max_tokens=6)
@@ -104,15 +102,14 @@ def test_pruning_a_tool_span_frees_pages_and_keeps_the_prefix(smol_engine):
 
 @pytest.mark.slow
 def test_keep_ratio_pruning_keeps_the_attended_part():
-    eng = LLMEngine(
-        EngineConfig(
-            num_pages=20000,
-            prefill_chunk_size=256,
-            prune_policy="keep_ratio",
-            prune_keep_ratio=0.5,
-            prune_roles=["tool"],
-            prune_lag=0,
-        )
+    eng = make_engine(
+        None,
+        num_pages=20000,
+        prefill_chunk_size=256,
+        prune_policy="keep_ratio",
+        prune_keep_ratio=0.5,
+        prune_roles=["tool"],
+        prune_lag=0,
     )
     run_turn(eng, "kr", first_turn(eng, "Check the inventory."), GREEDY)
     tool = next_turn(eng, "Inventory: " + haystack(10), role="tool")
@@ -165,7 +162,7 @@ def test_more_sessions_than_fit_are_demoted_and_restored_exactly(smol_engine):
 
     roomy = play(smol_engine)
     one_session = L * H * math.ceil(220 / P)
-    tight = LLMEngine(EngineConfig(num_pages=2 * one_session, prefill_chunk_size=128))
+    tight = make_engine(None, num_pages=2 * one_session, prefill_chunk_size=128)
     small = play(tight)
     assert {k: o.token_ids for k, o in small.items()} == {k: o.token_ids for k, o in roomy.items()}
     assert tight.chains.demotions > 0
@@ -222,7 +219,7 @@ def test_snapshot_bytes_round_trip_to_another_engine(smol_engine):
     t0 = first_turn(eng, "Pick a number between one and ten.")
     out = run_turn(eng, "snap", t0, GREEDY)
     blob = eng.snapshot_session("snap").to_bytes()
-    other = LLMEngine(EngineConfig(num_pages=8000, prefill_chunk_size=128))
+    other = make_engine(None, num_pages=8000, prefill_chunk_size=128)
     other.load_session(SessionSnapshot.from_bytes(blob))
     nxt = next_turn(eng, "Now double it.")
     here, there = run_turn(eng, "snap", nxt, GREEDY), run_turn(other, "snap", nxt, GREEDY)

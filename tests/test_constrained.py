@@ -9,10 +9,10 @@ import math
 import jsonschema
 import pytest
 
-from engine.config import EngineConfig
 from engine.constrained import Constraint, ConstraintError
-from engine.llm import LLMEngine
 from engine.sampling import SamplingError, SamplingParams
+
+from tests.conftest import make_engine
 
 SCHEMA = {
     "type": "object",
@@ -29,7 +29,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def engine(tiny_chat_dir):
-    return LLMEngine(EngineConfig(model=tiny_chat_dir, num_pages=4000, prefill_chunk_size=64, max_model_len=1024))
+    return make_engine(tiny_chat_dir, num_pages=4000, prefill_chunk_size=64, max_model_len=1024)
 
 
 def _prompt(engine, text):

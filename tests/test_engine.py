@@ -6,12 +6,11 @@ import math
 
 import pytest
 
-from engine.config import EngineConfig
 from engine.lifecycle import MethodError, MethodSpec
-from engine.llm import LLMEngine, RequestError
+from engine.llm import RequestError
 from engine.sampling import SamplingParams
 
-from tests.conftest import chat, haystack
+from tests.conftest import chat, haystack, make_engine
 
 QUESTIONS = [
     "Hi!",
@@ -37,10 +36,6 @@ def test_batched_equals_alone(smol_engine):
     assert smol_engine.runner.forward_passes - passes < 8 * 8
 
 
-def _stream_engine(**kw):
-    return LLMEngine(EngineConfig(num_pages=40000, prefill_chunk_size=1024, max_num_batched_tokens=1024, **kw))
-
-
 @pytest.fixture(scope="module")
 def long_prompt(smol_engine):
     prompt = chat(smol_engine, haystack(109) + " What color is item 3?")
@@ -60,7 +55,7 @@ def test_streaming_with_full_budget_equals_dense(smol_engine, long_prompt):
 
 
 def test_streaming_evicts_and_frees_exactly(long_prompt):
-    engine = _stream_engine()
+    engine = make_engine(None, num_pages=40000, prefill_chunk_size=1024, max_num_batched_tokens=1024)
     spec = MethodSpec("streaming_llm", budget=68, method_args={"n_sink": 4, "slack": 0})  # the paper's exact rule
     rid = engine.add_request(long_prompt, SamplingParams(max_tokens=8, ignore_eos=True), method=spec)
     L, H, P = 30, 3, 16
@@ -92,7 +87,7 @@ def test_pool_for_two_runs_six(smol_engine):
     # room for two sequences at their prompt length, not for two at full length
     pages = 2 * L * H * math.ceil((max(len(p) for p in prompts) + 8) / P) + 2 * L * H
     assert pages < 2 * L * H * math.ceil(longest / P)
-    engine = LLMEngine(EngineConfig(num_pages=pages, prefill_chunk_size=128, max_num_batched_tokens=1024))
+    engine = make_engine(None, num_pages=pages, prefill_chunk_size=128, max_num_batched_tokens=1024)
     outs = engine.generate(prompts, params)
     assert [o.token_ids for o in outs] == free
     assert all(o.finish_reason == "length" for o in outs)
@@ -172,6 +167,6 @@ def test_bad_requests_are_refused_cleanly(smol_engine):
 
 @pytest.mark.slow
 def test_request_larger_than_pool_is_refused():
-    engine = LLMEngine(EngineConfig(num_pages=200, prefill_chunk_size=64, max_num_batched_tokens=256))
+    engine = make_engine(None, num_pages=200, prefill_chunk_size=64, max_num_batched_tokens=256)
     with pytest.raises(RequestError, match="KV pages"):
         engine.add_request(list(range(100, 400)), SamplingParams(max_tokens=8))

@@ -15,12 +15,12 @@ import threading
 import pytest
 
 from engine.chain import SessionNotFound
-from engine.config import EngineConfig
-from engine.llm import LLMEngine
 from engine.prune_rule import PruneRuleError
 from engine.sampling import SamplingParams
 from sidecar.engine_client import EngineClient, EngineFailed, EngineTurn, PruneSpec
 from sidecar.engine_results import EngineStats, SessionInfo, TurnResult
+
+from tests.conftest import make_engine
 
 PROMPT = list(range(3, 43))  # 40 tokens
 SPANS = [(0, 10, "system"), (10, 30, "tool"), (30, 40, "user")]
@@ -29,7 +29,7 @@ SPANS = [(0, 10, "system"), (10, 30, "tool"), (30, 40, "user")]
 @pytest.fixture(scope="module")
 def engine(tiny_models):
     path, _ = tiny_models("llama")
-    return LLMEngine(EngineConfig(model=path, device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=64))
+    return make_engine(path, device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=64)
 
 
 def serve(engine, body):
@@ -148,7 +148,7 @@ def test_another_thread_reads_the_counters_through_the_engine_thread(engine):
 
 def test_a_failing_step_reaches_the_turn_as_engine_failed(tiny_models):
     path, _ = tiny_models("llama")
-    engine = LLMEngine(EngineConfig(model=path, device="cpu", num_pages=1000, page_size=4, prefill_chunk_size=64))
+    engine = make_engine(path, device="cpu", num_pages=1000, page_size=4, prefill_chunk_size=64)
     failures = []
 
     async def main():

@@ -13,15 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config import EngineConfig
 from engine.lifecycle import MethodSpec
-from engine.llm import LLMEngine
 from engine.methods import REGISTRY
 from engine.methods.pyramidkv import pyramid_budgets
 from engine.model.llama import rope_tables
 from engine.sampling import SamplingParams
 
-from tests.conftest import chat, haystack
+from tests.conftest import chat, haystack, make_engine
 
 EVICTION = sorted(n for n in REGISTRY if n not in ("dense",) and getattr(REGISTRY[n], "needs_budget", False))
 
@@ -54,7 +52,7 @@ N, B = 48, 16  # prompt tokens, budget per head
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_models):
     path, _ = tiny_models("llama")  # 3 layers, 4 query heads, 2 kv-heads, head_dim 16
-    return LLMEngine(EngineConfig(model=path, device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=256))
+    return make_engine(path, device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=256)
 
 
 def _spy(engine, spec):
@@ -143,9 +141,7 @@ def test_snapkv_rule(tiny_engine):
 
 def test_snapkv_window_spans_prefill_chunks(tiny_models):
     """Chunks of 20, 20 and 8 tokens: the 12-token window reaches back into the second chunk."""
-    engine = LLMEngine(
-        EngineConfig(model=tiny_models("llama")[0], device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=20)
-    )
+    engine = make_engine(tiny_models("llama")[0], device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=20)
     w, kernel = 12, 3
     seen, kept = _run(
         engine, MethodSpec("snapkv", budget=B + 8, method_args={"window_size": w, "kernel_size": kernel}), 3
@@ -250,9 +246,7 @@ def short_engine(tiny_models):
     """The tiny model with max_model_len just above the prompt: its RoPE tables end before the
     future positions expected_attention averages over."""
     path, _ = tiny_models("llama")
-    return LLMEngine(
-        EngineConfig(model=path, device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=256, max_model_len=N + 8)
-    )
+    return make_engine(path, device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=256, max_model_len=N + 8)
 
 
 @pytest.mark.parametrize("engine_name", ["tiny_engine", "short_engine"])
@@ -316,7 +310,7 @@ def test_rkv_rule(tiny_engine):
 # --- 3. pages really go back to the pool; per-head / per-layer budgets add up ---------------------
 @pytest.mark.slow
 def test_pages_freed_and_budgets_add_up():
-    engine = LLMEngine(EngineConfig(num_pages=20000, prefill_chunk_size=512, max_num_batched_tokens=4096))
+    engine = make_engine(None, num_pages=20000, prefill_chunk_size=512, max_num_batched_tokens=4096)
     prompt = chat(engine, haystack(12) + " What color is item 3?")
     n, budget = len(prompt), 48
     L, H, P = engine.shape.num_layers, engine.shape.num_kv_heads, engine.config.page_size

@@ -7,15 +7,12 @@ import pytest
 
 from engine.chain import ChainState, SessionNotFound
 from engine.sampling import SamplingParams
-from tests.conftest import first_turn, run_turn
+from tests.conftest import first_turn, make_engine, run_turn
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_chat_dir):
-    from engine.config import EngineConfig
-    from engine.llm import LLMEngine
-
-    return LLMEngine(EngineConfig(model=tiny_chat_dir, num_pages=2000, prefill_chunk_size=128, max_model_len=2048))
+    return make_engine(tiny_chat_dir, num_pages=2000, prefill_chunk_size=128, max_model_len=2048)
 
 
 def _idle_sessions(engine, names):

@@ -11,24 +11,22 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from engine.config import EngineConfig  # noqa: E402
 from engine.lifecycle import MethodSpec  # noqa: E402
-from engine.llm import LLMEngine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+
+from tests.conftest import make_engine  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 
-def _engine(path, **kw):
-    base = dict(model=path, device="cuda", num_pages=8192, prefill_chunk_size=96, max_num_batched_tokens=512)
-    base.update(kw)
-    return LLMEngine(EngineConfig(**base))
+TINY_RUN = dict(num_pages=8192, prefill_chunk_size=96, max_num_batched_tokens=512)
+"""The engine settings of this module's tests (the GPU engines add ``device="cuda"``)."""
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_gpu_float32_logits_match_hf(tiny_models, arch):
     path, hf = tiny_models(arch)
-    engine = _engine(path, dtype="float32")
+    engine = make_engine(path, TINY_RUN, device="cuda", dtype="float32")
     assert engine.backend.name == "triton" and engine.runner.graphs is not None
     prompt = torch.randint(0, 320, (300,), generator=torch.Generator().manual_seed(2)).tolist()
     out = engine.generate(
@@ -49,8 +47,8 @@ def test_gpu_graphs_equal_eager_bf16(tiny_models):
         torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 60, 130, 17)
     ]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    graphs = _engine(path).generate(prompts, params)
-    eager = _engine(path, cuda_graphs=False).generate(prompts, params)
+    graphs = make_engine(path, TINY_RUN, device="cuda").generate(prompts, params)
+    eager = make_engine(path, TINY_RUN, device="cuda", cuda_graphs=False).generate(prompts, params)
     assert [o.token_ids for o in graphs] == [o.token_ids for o in eager]
 
 
@@ -66,9 +64,9 @@ def test_gpu_penalties_under_graphs_and_run_ahead_equal_eager(tiny_models):
         SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=100.0),
         SamplingParams(max_tokens=24, ignore_eos=True),
     ]
-    engine = _engine(path, dtype="float32")
+    engine = make_engine(path, TINY_RUN, device="cuda", dtype="float32")
     graphs = engine.generate(prompts, params)
-    eager = _engine(path, dtype="float32", cuda_graphs=False).generate(prompts, params)
+    eager = make_engine(path, TINY_RUN, device="cuda", dtype="float32", cuda_graphs=False).generate(prompts, params)
     assert [o.token_ids for o in graphs] == [o.token_ids for o in eager]
     assert engine.runner.graph_steps > 0
     assert len(set(graphs[1].token_ids)) == len(graphs[1].token_ids)
@@ -90,9 +88,9 @@ def assert_same_decoding(a, b, tol: float = 1e-3):
 
 def test_gpu_streaming_eviction_and_sessions(tiny_models):
     path, _ = tiny_models("llama")
-    engine = _engine(path, dtype="float32")
-    eager = _engine(path, dtype="float32", cuda_graphs=False)
-    cpu = LLMEngine(EngineConfig(model=path, num_pages=8192, prefill_chunk_size=96, max_num_batched_tokens=512))
+    engine = make_engine(path, TINY_RUN, device="cuda", dtype="float32")
+    eager = make_engine(path, TINY_RUN, device="cuda", dtype="float32", cuda_graphs=False)
+    cpu = make_engine(path, TINY_RUN)
     prompt = torch.randint(0, 320, (400,), generator=torch.Generator().manual_seed(9)).tolist()
     spec = MethodSpec("streaming_llm", budget=64, method_args={"slack": 16})
     params = SamplingParams(max_tokens=40, ignore_eos=True, return_logits=True)
@@ -129,7 +127,7 @@ def test_gpu_second_turn_after_uneven_head_eviction(tiny_models, dtype):
     first = torch.randint(0, 320, (400,), generator=gen).tolist()
     second = torch.randint(0, 320, (60,), generator=gen).tolist()
     spec = MethodSpec("adakv", budget=64)
-    engines = {"cuda": _engine(path, dtype=dtype)}
+    engines = {"cuda": make_engine(path, TINY_RUN, device="cuda", dtype=dtype)}
     # first a graph decode with padding rows (3 requests in the 4-row graph): before the fix their
     # attention over an empty slot was 0/0, and the NaN K/V they wrote to the scratch page was read
     # through a shorter head's clamped -1 table entries in the next prefill
@@ -137,9 +135,7 @@ def test_gpu_second_turn_after_uneven_head_eviction(tiny_models, dtype):
     engines["cuda"].generate(padded, SamplingParams(max_tokens=8, ignore_eos=True))
     assert engines["cuda"].runner.graph_steps > 0
     if dtype == "float32":
-        engines["cpu"] = LLMEngine(
-            EngineConfig(model=path, num_pages=8192, prefill_chunk_size=96, max_num_batched_tokens=512)
-        )
+        engines["cpu"] = make_engine(path, TINY_RUN)
     logits = {}
     for name, eng in engines.items():
         eng.add_turn("s", first, SamplingParams(max_tokens=1), method=spec)

@@ -11,6 +11,8 @@ import jsonschema
 import openai
 import pytest
 
+from tests.conftest import make_engine
+
 TOKENS = {"tok-alpha": "alpha", "tok-beta": "beta"}
 WEATHER = {
     "type": "object",
@@ -54,10 +56,7 @@ def store_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny_chat_dir):
-    from engine.config import EngineConfig
-    from engine.llm import LLMEngine
-
-    return LLMEngine(EngineConfig(model=tiny_chat_dir, num_pages=6000, prefill_chunk_size=128, max_model_len=4096))
+    return make_engine(tiny_chat_dir, num_pages=6000, prefill_chunk_size=128, max_model_len=4096)
 
 
 @pytest.fixture(scope="module")
@@ -432,17 +431,13 @@ def test_a_stream_closed_early_releases_its_session(live):
 
 def test_responses_resume_after_a_restart_on_the_same_store(engine, store_dir, live):
     """A response id resolves on another server sharing the store: its session comes back from the snapshot."""
-    from engine.config import EngineConfig
-    from engine.llm import LLMEngine
     from sidecar.store import open_store
 
     c = live.client()
     first = c.responses.create(model=live.model, input="remember me", max_output_tokens=6)
     assert live.thread.run(live.thread.server.writer.flush(30))
     other = Live(
-        LLMEngine(
-            EngineConfig(model=str(engine.model_dir), num_pages=6000, prefill_chunk_size=128, max_model_len=4096)
-        ),
+        make_engine(engine.model_dir, num_pages=6000, prefill_chunk_size=128, max_model_len=4096),
         open_store(str(store_dir)),
     )
     try:

@@ -14,17 +14,15 @@ import pytest
 
 from test_http_front import FORCE, TOOLS, WEATHER, Live, _complete, _respond
 
+from tests.conftest import make_engine
+
 
 @pytest.fixture(scope="module")
 def replicas(tiny_chat_dir, redis_proc):
-    from engine.config import EngineConfig
-    from engine.llm import LLMEngine
     from sidecar.store import RedisStore
 
     def replica():
-        engine = LLMEngine(
-            EngineConfig(model=tiny_chat_dir, num_pages=6000, prefill_chunk_size=128, max_model_len=4096)
-        )
+        engine = make_engine(tiny_chat_dir, num_pages=6000, prefill_chunk_size=128, max_model_len=4096)
         return Live(engine, RedisStore(redis_proc.url))
 
     a, b = replica(), replica()
@@ -148,11 +146,9 @@ def test_chat_completions_without_a_cache_key_resume_on_the_other_replica(replic
 def _live_on_a_folder(tiny_chat_dir, folder, store=None, **options) -> Live:
     """A replica with its own engine (tiny chat model) on the directory store ``folder`` (or ``store``):
     a restarted server, or a second replica sharing the folder."""
-    from engine.config import EngineConfig
-    from engine.llm import LLMEngine
     from sidecar.store import open_store
 
-    engine = LLMEngine(EngineConfig(model=tiny_chat_dir, num_pages=2000, prefill_chunk_size=128, max_model_len=4096))
+    engine = make_engine(tiny_chat_dir, num_pages=2000, prefill_chunk_size=128, max_model_len=4096)
     return Live(engine, store if store is not None else open_store(str(folder)), **options)
 
 

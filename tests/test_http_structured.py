@@ -18,6 +18,8 @@ import pytest
 from pydantic import BaseModel, Field
 from test_http_front import TOOLS, Live, _complete
 
+from tests.conftest import make_engine
+
 PICK = {
     "type": "object",
     "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 9}, "sure": {"type": "boolean"}},
@@ -34,11 +36,9 @@ class Pick(BaseModel):
 
 @pytest.fixture(scope="module")
 def live(tiny_chat_dir, tmp_path_factory):
-    from engine.config import EngineConfig
-    from engine.llm import LLMEngine
     from sidecar.store import open_store
 
-    engine = LLMEngine(EngineConfig(model=tiny_chat_dir, num_pages=3000, prefill_chunk_size=128, max_model_len=2048))
+    engine = make_engine(tiny_chat_dir, num_pages=3000, prefill_chunk_size=128, max_model_len=2048)
     server = Live(engine, open_store(str(tmp_path_factory.mktemp("http-structured-store"))))
     yield server
     server.stop()

@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-CYCLE_FREE = ["engine", "sidecar"]
+CYCLE_FREE = ["engine", "sidecar", "agent_adapters", "benchmarks"]
 """Top-level packages whose modules must form an acyclic import graph."""
 
 

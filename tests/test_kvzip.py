@@ -9,12 +9,10 @@ import math
 import pytest
 import torch
 
-from engine.config import EngineConfig
 from engine.lifecycle import MethodSpec, ScoringPass
-from engine.llm import LLMEngine
 from engine.sampling import SamplingParams
 
-from tests.conftest import chat, haystack
+from tests.conftest import chat, haystack, make_engine
 
 
 def _always_score(engine, spec):
@@ -63,10 +61,8 @@ N, B, SINK, CHUNK = 48, 16, 4, 20
 @pytest.fixture(scope="module")
 def tiny(tiny_models):
     path, hf = tiny_models("llama")  # 3 layers, 4 query heads, 2 kv-heads, head_dim 16
-    engine = LLMEngine(
-        EngineConfig(
-            model=path, device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=16, max_num_batched_tokens=64
-        )
+    engine = make_engine(
+        path, device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=16, max_num_batched_tokens=64
     )
     return engine, hf
 
@@ -166,11 +162,10 @@ def test_pool_too_small_for_the_pass_keeps_everything(tiny_models, caplog):
     """No room for a reconstruction segment: the pass is skipped (with a warning), nothing is
     evicted, and the sequence carries on uncompressed."""
     path, _ = tiny_models("llama")
-    engine = LLMEngine(
-        EngineConfig(
-            model=path, device="cpu", num_pages=90, page_size=4, prefill_chunk_size=16, max_num_batched_tokens=64
-        )
-    )  # the context takes 72 pages, a segment 30
+    # the context takes 72 pages, a segment 30
+    engine = make_engine(
+        path, device="cpu", num_pages=90, page_size=4, prefill_chunk_size=16, max_num_batched_tokens=64
+    )
     spec = MethodSpec("kvzip", budget=B, method_args={"chunk_size": CHUNK})
     rid = engine.add_request(_prompt(), SamplingParams(max_tokens=2, ignore_eos=True), method=spec)
     with caplog.at_level("WARNING", logger="engine.runner"):

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
 from engine.llm import LLMEngine
 from engine.sampling import SamplingParams
 
-from tests.conftest import chat, haystack
+from tests.conftest import chat, haystack, make_engine
 
 
 def _check_logits(engine: LLMEngine, hf_model, prompt: list[int], n_decode: int = 20, tol: float = 1e-4):
@@ -32,7 +31,7 @@ def _check_logits(engine: LLMEngine, hf_model, prompt: list[int], n_decode: int 
 @pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
 def test_tiny_logits_match_hf(tiny_models, arch):
     path, hf = tiny_models(arch)
-    engine = LLMEngine(EngineConfig(model=path, prefill_chunk_size=96, max_num_batched_tokens=256, num_pages=2048))
+    engine = make_engine(path, prefill_chunk_size=96, max_num_batched_tokens=256, num_pages=2048)
     prompt = torch.randint(0, 320, (330,), generator=torch.Generator().manual_seed(1)).tolist()
     _check_logits(engine, hf, prompt)
     assert engine.runner.forward_passes >= 4 + 19  # several prefill chunks, then decode steps

@@ -15,13 +15,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.config import EngineConfig
-from engine.llm import LLMEngine
 from engine.penalties import apply_penalties, penalize
 from engine.sampling import SamplingError, SamplingParams
 from engine.sequence import Sequence
 
-from tests.conftest import chat, run_turn
+from tests.conftest import chat, make_engine, run_turn
 
 
 def _seq(prompt: list[int], output: list[int], **penalties) -> Sequence:
@@ -210,7 +208,7 @@ def test_adapters_send_the_penalties():
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_models):
     folder, _ = tiny_models("llama")
-    return LLMEngine(EngineConfig(model=folder, num_pages=800, prefill_chunk_size=32, page_size=16))
+    return make_engine(folder, num_pages=800, prefill_chunk_size=32, page_size=16)
 
 
 def test_tiny_model_penalties_are_batch_invariant_and_change_the_reply(tiny_engine):

@@ -13,12 +13,10 @@ if not torch.cuda.is_available():
 
 from engine.cache.formats import make_format  # noqa: E402
 from engine.cache.pages import PagePool  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm import LLMEngine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 from benchmarks.quant_quality import forced_decode  # noqa: E402
-from tests.conftest import run_turn  # noqa: E402
+from tests.conftest import make_engine, run_turn  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -30,23 +28,16 @@ CASES = [
 ]
 
 
-def _engine(path, device, method="dense", args=None, **kw):
-    return LLMEngine(
-        EngineConfig(
-            model=path,
-            device=device,
-            dtype="float32",
-            method=method,
-            method_args=args or {},
-            num_pages=4096,
-            page_size=16,
-            prefill_chunk_size=64,
-            max_num_batched_tokens=256,
-            max_num_seqs=4,
-            max_cached_seqs=8,
-            **kw,
-        )
-    )
+QUANTIZED = dict(
+    dtype="float32",
+    num_pages=4096,
+    page_size=16,
+    prefill_chunk_size=64,
+    max_num_batched_tokens=256,
+    max_num_seqs=4,
+    max_cached_seqs=8,
+)
+"""The engine settings of both sides of a comparison (each adds its device and method)."""
 
 
 @pytest.mark.parametrize("method,args", CASES)
@@ -54,13 +45,17 @@ def test_gpu_dequantized_attention_matches_the_cpu_reference(tiny_models, method
     """The GPU engine (Triton backend, quantized pool on the device) against the CPU engine with the
     same format: their logits differ far less than quantization moves them from dense."""
     path, _ = tiny_models("llama")
-    gpu = _engine(path, "cuda", method, args)
+    gpu = make_engine(path, QUANTIZED, device="cuda", method=method, method_args=args)
     assert gpu.backend.name == "triton" and not gpu.pool.format.plain
     assert gpu.runner.graphs is None  # CUDA graphs read plain pages only: off for quantized pools
     prompt = torch.randint(0, 320, (150,), generator=torch.Generator().manual_seed(3)).tolist()
     out = gpu.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True, return_logits=True))[0]
-    cpu = forced_decode(_engine(path, "cpu", method, args), prompt, out.token_ids)
-    dense = forced_decode(_engine(path, "cpu"), prompt, out.token_ids)
+    cpu = forced_decode(
+        make_engine(path, QUANTIZED, device="cpu", method=method, method_args=args), prompt, out.token_ids
+    )
+    dense = forced_decode(
+        make_engine(path, QUANTIZED, device="cpu", method="dense", method_args={}), prompt, out.token_ids
+    )
     same_format = (out.step_logits.float() - cpu).abs().mean().item()
     quant_error = (dense - cpu).abs().mean().item()
     assert quant_error > 0
@@ -102,7 +97,9 @@ def test_gpu_kivi_sessions_fork_and_snapshot(tiny_models):
 
     path, _ = tiny_models("llama")
     # R = 32: the 70-token turns both seal pages and keep some in the window
-    eng = _engine(path, "cuda", "kivi", {"bits": 2, "value_group": 16, "residual_length": 32})
+    eng = make_engine(
+        path, QUANTIZED, device="cuda", method="kivi", method_args={"bits": 2, "value_group": 16, "residual_length": 32}
+    )
     g = torch.Generator().manual_seed(4)
     t0 = torch.randint(0, 320, (70,), generator=g).tolist()
     a, b = torch.randint(0, 320, (9,), generator=g).tolist(), torch.randint(0, 320, (11,), generator=g).tolist()

@@ -21,13 +21,11 @@ from engine.cache.formats import make_format
 from engine.cache.manager import CacheManager
 from engine.cache.pages import PagePool
 from engine.cache.snapshot import SessionSnapshot
-from engine.config import EngineConfig
 from engine.lifecycle import MethodError, MethodSpec
-from engine.llm import LLMEngine
 from engine.sampling import SamplingParams
 
 from benchmarks.quant_quality import agreement, forced_decode
-from tests.conftest import first_turn, next_turn, run_turn
+from tests.conftest import first_turn, make_engine, next_turn, run_turn
 
 pytestmark = pytest.mark.slow
 
@@ -52,40 +50,30 @@ SYSTEM = (
 QUESTION = "Explain in a few sentences what the Chain Cache is and where sessions are snapshotted."
 
 
-def engine_for(method: str, **args) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            method=method,
-            method_args=args,
-            num_pages=6000,
-            max_num_seqs=4,
-            max_cached_seqs=8,
-            prefill_chunk_size=128,
-            max_num_batched_tokens=1024,
-        )
-    )
+QUANTIZED = dict(num_pages=6000, max_num_seqs=4, max_cached_seqs=8, prefill_chunk_size=128, max_num_batched_tokens=1024)
+"""The SmolLM2 engine settings of the quantized-method fixtures (each adds its method)."""
 
 
 @pytest.fixture(scope="module")
 def kivi2():
     """The paper's configuration: 2 bits, value group 32, residual R = 128 (key group = page, 16)."""
-    return engine_for("kivi", bits=2)
+    return make_engine(None, QUANTIZED, method="kivi", method_args={"bits": 2})
 
 
 @pytest.fixture(scope="module")
 def kivi2_r0():
     """2 bits without a residual window: every full page is quantized (sessions seal pages early)."""
-    return engine_for("kivi", bits=2, residual_length=0)
+    return make_engine(None, QUANTIZED, method="kivi", method_args={"bits": 2, "residual_length": 0})
 
 
 @pytest.fixture(scope="module")
 def kivi4():
-    return engine_for("kivi", bits=4, residual_length=0)
+    return make_engine(None, QUANTIZED, method="kivi", method_args={"bits": 4, "residual_length": 0})
 
 
 @pytest.fixture(scope="module")
 def fp8():
-    return engine_for("fp8")
+    return make_engine(None, QUANTIZED, method="fp8", method_args={})
 
 
 def prompt(engine) -> list[int]:

@@ -8,14 +8,12 @@ import pytest
 import torch
 
 from engine.cache.cold_store import ColdStore
-from engine.config import EngineConfig
 from engine.lifecycle import MethodError, MethodSpec
-from engine.llm import LLMEngine
 from engine.methods import get_method_class
 from engine.sampling import SamplingParams
 from engine.recall import _pooled
 
-from tests.conftest import run_turn
+from tests.conftest import make_engine, run_turn
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 L, H, D, P = 2, 3, 8, 4
@@ -103,9 +101,8 @@ def tiny_path(tiny_models):
     return tiny_models("llama")[0]  # 3 layers, 4 query heads, 2 kv-heads, head_dim 16
 
 
-def _engine(path, **kw) -> LLMEngine:
-    base = dict(model=path, device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=64)
-    return LLMEngine(EngineConfig(**{**base, **kw}))
+ENGINE = dict(device="cpu", num_pages=4000, page_size=4, prefill_chunk_size=64)
+"""The engine settings of this module's engine tests (a test's own keywords go over them)."""
 
 
 def _turns(seed: int, sizes=(90, 40, 40)) -> list[list[int]]:
@@ -123,7 +120,7 @@ def _chat(engine, sid, turns, spec, params=GREEDY, check=None):
 
 
 def test_full_budget_recall_equals_dense(tiny_path):
-    engine = _engine(tiny_path)
+    engine = make_engine(tiny_path, ENGINE)
     turns = _turns(1)
     dense = _chat(engine, "d", turns, None)
     full = _chat(engine, "r", turns, MethodSpec("snapkv+recall", budget=1000))
@@ -136,7 +133,7 @@ def test_without_recall_a_variant_is_its_base_until_something_is_recalled(tiny_p
     turn evicted to recall) gives the tokens of snapkv at its share of the budget (18: a quarter is
     the recall's reserve) and keeps its KV; with the default scope (``all``) the turn's own
     evictions are candidates at once, so the same turn recalls some of them."""
-    engine = _engine(tiny_path)
+    engine = make_engine(tiny_path, ENGINE)
     t = _turns(2)[:1]
     base = _chat(engine, "a", t, MethodSpec("snapkv", budget=18))  # the method's share of 24 (a quarter reserved)
     earlier = MethodSpec("snapkv+recall", budget=24, method_args={"recall_scope": "earlier"})
@@ -153,7 +150,7 @@ def test_without_recall_a_variant_is_its_base_until_something_is_recalled(tiny_p
 def test_with_a_reserve_a_recall_adds_to_the_method_s_tokens_and_never_displaces_them(tiny_path):
     """recall_reserve 0.25 (the default): the method keeps 18 of a 24 budget; every recall keeps
     each head's device tokens and adds cold ones up to the budget."""
-    engine = _engine(tiny_path)
+    engine = make_engine(tiny_path, ENGINE)
     checked = []
     orig = engine.controller.recall_now
 
@@ -218,7 +215,7 @@ def test_a_token_evicted_in_turn_one_that_turn_three_needs_is_back_when_it_decod
     """Turn 1's tokens are evicted by streaming_llm (its window moves past them in turn 2); when turn
     3's input is in, the turn-1 token its queries attend most (recomputed here from every key the
     session holds), if an earlier turn evicted it, is on the device before turn 3's first token."""
-    engine = _engine(tiny_path)
+    engine = make_engine(tiny_path, ENGINE)
     # every cold block a candidate: the bounds only shortlist blocks, the exact logits decide
     # (recall_pool=1: each token ranks by its own logit, as recomputed below; recall_reserve 0: the
     # recall competes with the whole unpinned budget, 0.5: it fills half the budget, never displacing)
@@ -256,7 +253,7 @@ def test_a_token_evicted_in_turn_one_that_turn_three_needs_is_back_when_it_decod
 
 @pytest.mark.parametrize("method", ["snapkv+recall", "streaming_llm+recall", "h2o+recall", "kvzip+recall"])
 def test_device_tokens_per_head_never_exceed_the_budget(tiny_path, method):
-    engine = _engine(tiny_path)
+    engine = make_engine(tiny_path, ENGINE)
     budget = 24
     spec = MethodSpec(method, budget=budget, method_args={"recall_interval": 2})
     cap = engine.controller.method_for(spec).kept_tokens(10**6)
@@ -280,11 +277,11 @@ def test_device_tokens_per_head_never_exceed_the_budget(tiny_path, method):
 def test_snapshot_with_a_cold_tier_resumes_with_the_same_tokens(tiny_path):
     spec = MethodSpec("snapkv+recall", budget=24, method_args={"cold_format": "fp8"})
     turns = _turns(5, (80, 30, 30, 30))
-    a = _engine(tiny_path)
+    a = make_engine(tiny_path, ENGINE)
     _chat(a, "s", turns[:2], spec)
     assert a.controller.recall.cold_tokens("s") > 0
     snap = a.snapshot_session("s")
-    b = _engine(tiny_path)
+    b = make_engine(tiny_path, ENGINE)
     b.load_session(snap)
     assert [run_turn(b, "s", t, GREEDY).token_ids for t in turns[2:]] == [
         run_turn(a, "s", t, GREEDY).token_ids for t in turns[2:]
@@ -293,7 +290,7 @@ def test_snapshot_with_a_cold_tier_resumes_with_the_same_tokens(tiny_path):
 
 
 def test_fork_copies_the_cold_tier(tiny_path):
-    engine = _engine(tiny_path)
+    engine = make_engine(tiny_path, ENGINE)
     turns = _turns(6)
     _chat(engine, "p", turns[:2], MethodSpec("snapkv+recall", budget=24))
     engine.fork_session("p", "c")
@@ -303,7 +300,7 @@ def test_fork_copies_the_cold_tier(tiny_path):
 
 
 def test_host_memory_bound_holds_and_drops_what_does_not_fit(tiny_path):
-    engine = _engine(tiny_path, recall_host_gb=4096 / 2**30)  # 4 KiB of cold tier
+    engine = make_engine(tiny_path, ENGINE, recall_host_gb=4096 / 2**30)  # 4 KiB of cold tier
     limit = engine.controller.recall.host_limit
     peak = []
     orig = engine.controller.recall._append
@@ -343,7 +340,7 @@ def test_host_memory_bound_holds_and_drops_what_does_not_fit(tiny_path):
     ],
 )
 def test_hostile_recall_settings_get_a_clear_error(tiny_path, name, args, match):
-    engine = _engine(tiny_path)
+    engine = make_engine(tiny_path, ENGINE)
     with pytest.raises(MethodError, match=match):
         engine.add_turn("h", [5, 6, 7], GREEDY, method=MethodSpec(name, budget=16, method_args=args))
     assert "h" not in engine.chains.chains  # nothing was created

@@ -24,12 +24,11 @@ from hypothesis import strategies as st
 
 import engine.sampling as sampling
 from engine.attention.paged import PagedAttention
-from engine.config import EngineConfig
 from engine.lifecycle import MethodSpec
 from engine.llm import LLMEngine
 from engine.sampling import SamplingError, SamplingParams, sample
 
-from tests.conftest import run_turn
+from tests.conftest import make_engine, run_turn
 
 _FLOATS = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
@@ -95,9 +94,10 @@ def test_a_row_without_a_finite_logit_fails_alone():
 
 
 @pytest.fixture(scope="module")
-def tiny_engine_config(tiny_models):
+def new_engine(tiny_models):
+    """Builds a fresh engine on the tiny llama at each call (these tests break engines on purpose)."""
     folder, _ = tiny_models("llama")
-    return EngineConfig(model=folder, num_pages=800, prefill_chunk_size=32, page_size=16)
+    return lambda: make_engine(folder, num_pages=800, prefill_chunk_size=32, page_size=16)
 
 
 def _run_together(eng: LLMEngine, turns: dict[str, tuple[list[int], SamplingParams]]) -> dict:
@@ -112,7 +112,7 @@ def _run_together(eng: LLMEngine, turns: dict[str, tuple[list[int], SamplingPara
     return done
 
 
-def test_a_failure_in_one_sequences_sampling_leaves_the_others_running(tiny_engine_config, monkeypatch):
+def test_a_failure_in_one_sequences_sampling_leaves_the_others_running(new_engine, monkeypatch):
     prompts = {f"s{i}": list(range(10 + i, 40 + i)) for i in range(4)}
     params = {sid: SamplingParams(max_tokens=8, temperature=0.8, seed=100 + i) for i, sid in enumerate(prompts)}
     params["s2"] = SamplingParams(max_tokens=8, temperature=0.8, seed=666)  # the one that will fail
@@ -120,7 +120,7 @@ def test_a_failure_in_one_sequences_sampling_leaves_the_others_running(tiny_engi
     alone = {}
     for sid, toks in prompts.items():
         if sid != "s2":
-            eng = LLMEngine(tiny_engine_config)
+            eng = new_engine()
             alone[sid] = run_turn(eng, sid, toks, params[sid]).token_ids
 
     real = sampling.sample_row
@@ -130,7 +130,7 @@ def test_a_failure_in_one_sequences_sampling_leaves_the_others_running(tiny_engi
             raise RuntimeError("injected: probability tensor contains either inf, nan or element < 0")
         return real(row, p, gen)
 
-    eng = LLMEngine(tiny_engine_config)
+    eng = new_engine()
     monkeypatch.setattr(sampling, "sample_row", faulty)
     outs = _run_together(eng, {sid: (toks, params[sid]) for sid, toks in prompts.items()})
     assert outs["s2"].finish_reason == "failed" and "injected" in outs["s2"].error
@@ -144,8 +144,8 @@ def test_a_failure_in_one_sequences_sampling_leaves_the_others_running(tiny_engi
     assert eng.stats()["pages_free"] >= 0 and eng.totals["finished_failed"] == 1
 
 
-def test_a_failure_processing_one_sequences_token_fails_it_alone(tiny_engine_config, monkeypatch):
-    eng = LLMEngine(tiny_engine_config)
+def test_a_failure_processing_one_sequences_token_fails_it_alone(new_engine, monkeypatch):
+    eng = new_engine()
     real = eng.loop._append_token
 
     def faulty(seq, token, now, at=None):
@@ -164,19 +164,19 @@ def test_a_failure_processing_one_sequences_token_fails_it_alone(tiny_engine_con
     assert outs["bad"].finish_reason == "failed" and outs["good"].finish_reason in ("stop", "length")
 
 
-def test_a_failed_forward_pass_fails_its_requests_and_the_engine_steps_on(tiny_engine_config, monkeypatch):
+def test_a_failed_forward_pass_fails_its_requests_and_the_engine_steps_on(new_engine, monkeypatch):
     """A pass that raises (out of memory, a kernel's error) fails the requests in it, their turns rolled back
     (mid-prefill too), and nothing else: the sessions then continue exactly as if the failed turn had never
     run, and every page comes back."""
     first, second = list(range(10, 50)), list(range(60, 75))
     long_prompt = list(range(100, 200))  # four prefill chunks of 32
     greedy = SamplingParams(max_tokens=6)
-    ref = LLMEngine(tiny_engine_config)
+    ref = new_engine()
     run_turn(ref, "a", first, greedy)
     expected = run_turn(ref, "a", second, greedy).token_ids
     expected_b = run_turn(ref, "b", long_prompt, greedy).token_ids
 
-    eng = LLMEngine(tiny_engine_config)
+    eng = new_engine()
     free_at_start = eng.stats()["pages_free"]
     run_turn(eng, "a", first, greedy)
     real, calls = eng.loop.runner.execute, {"b": 0}
@@ -228,7 +228,7 @@ class EagerDecodeGraphs:
 
 
 @pytest.mark.parametrize("where", ["replay", "compaction"])
-def test_a_failed_run_ahead_step_fails_its_requests_and_the_engine_steps_on(tiny_engine_config, monkeypatch, where):
+def test_a_failed_run_ahead_step_fails_its_requests_and_the_engine_steps_on(new_engine, monkeypatch, where):
     """The run-ahead decode path shares the ordinary path's failure handling: a launched step that raises
     (in the replay, or out of memory in the eviction compaction after it) fails the requests in it, their
     turns rolled back, the step before it still completes, and the engine steps on. Dense sessions then
@@ -238,12 +238,12 @@ def test_a_failed_run_ahead_step_fails_its_requests_and_the_engine_steps_on(tiny
     method = None if where == "replay" else MethodSpec("streaming_llm", budget=24, method_args={"slack": 2})
     first, second, other = list(range(10, 50)), list(range(60, 75)), list(range(100, 130))
     greedy = SamplingParams(max_tokens=12)
-    ref = LLMEngine(tiny_engine_config)
+    ref = new_engine()
     expected_first = run_turn(ref, "a", first, greedy, method=method).token_ids
     expected = run_turn(ref, "a", second, greedy).token_ids
     expected_b = run_turn(ref, "b", other, greedy, method=method).token_ids
 
-    eng = LLMEngine(tiny_engine_config)
+    eng = new_engine()
     graphs = eng.loop.runner.graphs = EagerDecodeGraphs(eng.loop.runner)
     free_at_start = eng.stats()["pages_free"]
     assert run_turn(eng, "a", first, greedy, method=method).token_ids == expected_first  # run ahead, on the CPU
@@ -292,10 +292,10 @@ def test_a_failed_run_ahead_step_fails_its_requests_and_the_engine_steps_on(tiny
     assert eng.stats()["pages_free"] == free_at_start
 
 
-def test_forward_passes_that_keep_failing_stop_the_engine(tiny_engine_config, monkeypatch):
+def test_forward_passes_that_keep_failing_stop_the_engine(new_engine, monkeypatch):
     from engine.stepping import MAX_FAILED_PASSES
 
-    eng = LLMEngine(tiny_engine_config)
+    eng = new_engine()
 
     def broken(batch, windows):
         raise RuntimeError("injected: device lost")
@@ -310,8 +310,8 @@ def test_forward_passes_that_keep_failing_stop_the_engine(tiny_engine_config, mo
         eng.step()
 
 
-def test_prefix_sharing_stays_within_its_scope(tiny_engine_config):
-    eng = LLMEngine(tiny_engine_config)
+def test_prefix_sharing_stays_within_its_scope(new_engine):
+    eng = new_engine()
     system = list(range(100, 100 + 64))  # four full pages a session may share
     q = lambda i: system + list(range(300 + i, 310 + i))  # noqa: E731
     p = SamplingParams(max_tokens=2)

@@ -28,24 +28,21 @@ def random_llama_engine(model_dir, device: str = "cuda", cuda_graphs: bool = Fal
     deterministic, so methods are compared token for token."""
     from transformers import LlamaConfig
 
-    from engine.config import EngineConfig
-    from engine.llm import LLMEngine
+    from tests.conftest import make_engine
 
     cfg = LlamaConfig(**RANDOM_LLAMA)
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.save_pretrained(str(model_dir))
     # no CUDA graphs by default: every step goes through the same (eager) kernel, with or without page lists
-    return LLMEngine(
-        EngineConfig(
-            model=str(model_dir),
-            device=device,
-            num_pages=20000,
-            prefill_chunk_size=128,
-            max_model_len=2048,
-            cuda_graphs=cuda_graphs,
-            async_decode=False,
-        ),
+    return make_engine(
+        model_dir,
         random_weights=True,
+        device=device,
+        num_pages=20000,
+        prefill_chunk_size=128,
+        max_model_len=2048,
+        cuda_graphs=cuda_graphs,
+        async_decode=False,
     )
 
 

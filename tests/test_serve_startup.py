@@ -25,6 +25,7 @@ import pytest
 from redis_server import RedisProcess, free_port
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
+from tests.conftest import make_engine
 from tests.sidecar_proc import ALPHA, TOKENS, Sidecar, request, run, serving, wait_for
 from tests.test_security_cli import chainkv, one_line_error
 
@@ -96,10 +97,7 @@ def test_serve_help_shows_every_default_and_whole_texts():
 
 @pytest.fixture(scope="module")
 def engine(tiny_chat_dir):
-    from engine.config import EngineConfig
-    from engine.llm import LLMEngine
-
-    return LLMEngine(EngineConfig(model=tiny_chat_dir, num_pages=2000, prefill_chunk_size=128, max_model_len=2048))
+    return make_engine(tiny_chat_dir, num_pages=2000, prefill_chunk_size=128, max_model_len=2048)
 
 
 def test_health_follows_the_store_and_its_errors_are_logged_once_a_minute(engine, stopped_redis, caplog):

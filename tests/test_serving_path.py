@@ -22,17 +22,16 @@ import torch
 
 from engine.cache.manager import CacheManager
 from engine.cache.pages import PagePool
-from engine.config import EngineConfig
 from engine.lifecycle import MethodSpec
-from engine.llm import LLMEngine
 from engine.sampling import SamplingParams
+
+from tests.conftest import make_engine
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
-def _engine(path, **kw) -> LLMEngine:
-    cfg = dict(model=path, num_pages=6000, page_size=8, prefill_chunk_size=64, max_num_batched_tokens=256)
-    return LLMEngine(EngineConfig(**{**cfg, **kw}))
+SERVING = dict(num_pages=6000, page_size=8, prefill_chunk_size=64, max_num_batched_tokens=256)
+"""The engine settings of this module's tests (a test's own keywords go over them)."""
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -121,14 +120,14 @@ def test_sessions_compressed_in_one_pass_keep_what_each_keeps_alone(tiny_models,
     path, _ = tiny_models("llama")
     spec = MethodSpec(method, budget=24)
     prompts = [_prompt(90 + 7 * i, i) for i in range(3)]
-    batched = _engine(path)
+    batched = make_engine(path, SERVING)
     for i, p in enumerate(prompts):
         batched.add_turn(f"s{i}", p, GREEDY, method=spec)
     while batched.has_unfinished():
         batched.step()
     assert batched.runner.forward_passes < 3 * 4  # the three prompts went through passes together
     for i, p in enumerate(prompts):
-        alone = _engine(path)
+        alone = make_engine(path, SERVING)
         alone.add_turn("s", p, GREEDY, method=spec)
         while alone.has_unfinished():
             alone.step()
@@ -137,7 +136,7 @@ def test_sessions_compressed_in_one_pass_keep_what_each_keeps_alone(tiny_models,
 
 def test_amortised_eviction_never_holds_more_than_budget_plus_slack(tiny_models):
     path, _ = tiny_models("llama")
-    eng = _engine(path)
+    eng = make_engine(path, SERVING)
     budget, slack = 32, 16
     spec = MethodSpec("streaming_llm", budget=budget, method_args={"slack": slack, "n_sink": 4})
     params = SamplingParams(max_tokens=120, ignore_eos=True)
@@ -165,7 +164,7 @@ def test_compressed_sessions_whose_history_exceeds_the_pool_all_stay_resident(ti
     turns = [_prompt(160, 10 + t) for t in range(4)]
     # room for every session compressed (budget + one turn's prefill + reply), not for their histories
     pages = n_sessions * L * H * ((budget + 8) // P + 2) + L * H * (160 // P + 8)
-    eng = _engine(path, num_pages=pages, prefill_chunk_size=256, max_num_batched_tokens=512)
+    eng = make_engine(path, SERVING, num_pages=pages, prefill_chunk_size=256, max_num_batched_tokens=512)
     history = n_sessions * L * H * (4 * (160 + GREEDY.max_tokens) // P)
     assert history > 2 * pages
     spec = MethodSpec("snapkv", budget=budget, method_args={"window_size": 8})
@@ -207,10 +206,10 @@ def test_a_preempted_session_is_swapped_out_and_finishes_as_if_alone(tiny_models
                     outs[out.request_id] = out
         return outs
 
-    roomy = run(_engine(path))
+    roomy = run(make_engine(path, SERVING))
     # the pool holds two sessions' second turns at a time, not three
     tight_pages = 2 * L * H * ((120 + 150 + 2 * 40) // P + 2) + L * H * 4
-    tight = _engine(path, num_pages=tight_pages, host_cache_gb=1.0)
+    tight = make_engine(path, SERVING, num_pages=tight_pages, host_cache_gb=1.0)
     outs = run(tight)
     assert tight.scheduler.swaps > 0 and sum(o.counters.preemptions for o in outs.values()) > 0
     for sid, out in roomy.items():
@@ -228,7 +227,7 @@ def test_snapkv_scoring_every_layer_after_the_pass_keeps_what_layer_by_layer_kee
     system = _prompt(70, 99)
 
     def run(defer: bool) -> dict:
-        eng = _engine(path, prefill_chunk_size=128, max_num_batched_tokens=1024)
+        eng = make_engine(path, SERVING, prefill_chunk_size=128, max_num_batched_tokens=1024)
         method = eng.controller.method_for(spec)
         method._defers = defer
         deferred = []
@@ -274,7 +273,7 @@ def test_a_shared_prefix_is_kept_beside_the_budget_so_heads_stay_one_length(tiny
     path, _ = tiny_models("llama")
     budget, system = 40, _prompt(64, 7)
     spec = MethodSpec("snapkv", budget=budget, method_args={"window_size": 16})
-    eng = _engine(path, prefill_chunk_size=256, max_num_batched_tokens=1024)
+    eng = make_engine(path, SERVING, prefill_chunk_size=256, max_num_batched_tokens=1024)
     eng.controller.method_for(spec)._defers = defer
     for i in range(2):  # the second session attaches to the first one's cached prefix
         eng.add_turn(f"s{i}", system + _prompt(150, i), GREEDY, method=spec, shared_prefix=len(system))

@@ -11,14 +11,12 @@ import pytest
 
 from agent_adapters.client import ChainKVClient, ChainKVError
 from sidecar.options import ServerOptions
+from tests.conftest import make_engine
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_chat_dir):
-    from engine.config import EngineConfig
-    from engine.llm import LLMEngine
-
-    return LLMEngine(EngineConfig(model=tiny_chat_dir, num_pages=2000, prefill_chunk_size=128, max_model_len=1024))
+    return make_engine(tiny_chat_dir, num_pages=2000, prefill_chunk_size=128, max_model_len=1024)
 
 
 def _gone(c: ChainKVClient, sid: str, wait_s: float = 60.0) -> bool:

@@ -7,18 +7,11 @@ import pytest
 
 from engine.cache.snapshot import SessionSnapshot
 from engine.chain import SessionBusy, SessionNotFound
-from engine.config import EngineConfig
-from engine.llm import LLMEngine
 from engine.sampling import SamplingParams
 
-from tests.conftest import run_turn
+from tests.conftest import SMALL_PAGES_CPU, make_engine, run_turn
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
-
-
-def _engine(path, **kw):
-    cfg = dict(model=path, device="cpu", page_size=4, prefill_chunk_size=32, max_num_batched_tokens=256)
-    return LLMEngine(EngineConfig(**{**cfg, **kw}))
 
 
 @pytest.fixture(scope="module")
@@ -42,16 +35,16 @@ def test_sessions_demoted_to_host_come_back_exactly(tiny):
                 outs[(i, turn)] = run_turn(engine, f"s{i}", prompt(10 * turn + i, 40 if turn == 0 else 5), GREEDY)
         return outs
 
-    roomy = play(_engine(tiny, num_pages=4000))
+    roomy = play(make_engine(tiny, SMALL_PAGES_CPU, num_pages=4000))
     one_session = 3 * 2 * (60 // 4)  # layers x kv-heads x pages of a session's longest history
-    tight = _engine(tiny, num_pages=2 * one_session)
+    tight = make_engine(tiny, SMALL_PAGES_CPU, num_pages=2 * one_session)
     small = play(tight)
     assert {k: o.token_ids for k, o in small.items()} == {k: o.token_ids for k, o in roomy.items()}
     assert tight.chains.demotions > 0 and any(o.source_tier == "host" for o in small.values())
 
 
 def test_ending_a_session_mid_turn_aborts_it_and_frees_its_pages(tiny):
-    eng = _engine(tiny, num_pages=2000)
+    eng = make_engine(tiny, SMALL_PAGES_CPU, num_pages=2000)
     free0 = eng.pool.num_free
     run_turn(eng, "a", prompt(1), GREEDY)
     eng.add_turn("a", prompt(2, 5), SamplingParams(max_tokens=50, ignore_eos=True))
@@ -67,7 +60,7 @@ def test_ending_a_session_mid_turn_aborts_it_and_frees_its_pages(tiny):
 
 
 def test_a_fork_continues_like_its_parent(tiny):
-    eng = _engine(tiny, num_pages=2000)
+    eng = make_engine(tiny, SMALL_PAGES_CPU, num_pages=2000)
     t0 = prompt(3)
     out = run_turn(eng, "p", t0, GREEDY)
     eng.fork_session("p", "c")
@@ -79,14 +72,14 @@ def test_a_fork_continues_like_its_parent(tiny):
 
 
 def test_a_snapshot_resumes_on_another_engine_or_is_recomputed(tiny):
-    eng = _engine(tiny, num_pages=2000)
+    eng = make_engine(tiny, SMALL_PAGES_CPU, num_pages=2000)
     t0 = prompt(5)
     out = run_turn(eng, "s", t0, GREEDY)
     blob = eng.snapshot_session("s").to_bytes()
     nxt = prompt(6, 5)
-    same = _engine(tiny, num_pages=1000)
+    same = make_engine(tiny, SMALL_PAGES_CPU, num_pages=1000)
     same.load_session(SessionSnapshot.from_bytes(blob))
-    other = _engine(tiny, num_pages=1000, page_size=8)  # another fingerprint: the KV is rebuilt
+    other = make_engine(tiny, SMALL_PAGES_CPU, num_pages=1000, page_size=8)  # another fingerprint: the KV is rebuilt
     other.load_session(SessionSnapshot.from_bytes(blob))
     here, there, rebuilt = (run_turn(e, "s", nxt, GREEDY) for e in (eng, same, other))
     assert there.source_tier == "store" and rebuilt.source_tier == "recompute"

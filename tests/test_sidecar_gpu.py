@@ -18,14 +18,13 @@ if not torch.cuda.is_available():
 
 import grpc  # noqa: E402
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm import LLMEngine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb  # noqa: E402
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc  # noqa: E402
 from sidecar.chat import ChatRenderer  # noqa: E402
 from sidecar.server import ServerOptions, ServerThread  # noqa: E402
 from sidecar.store import DirectoryStore  # noqa: E402
+from tests.conftest import make_engine  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -46,12 +45,8 @@ def _needs_smollm2():
         pytest.skip(f"SmolLM2 is not available: {e}")
 
 
-def _cfg() -> EngineConfig:
-    return EngineConfig(device="cuda", num_pages=20000, prefill_chunk_size=256)
-
-
 def test_gpu_turns_through_grpc_equal_direct_turns(tmp_path):
-    engine = LLMEngine(_cfg())
+    engine = make_engine(None, device="cuda", num_pages=20000, prefill_chunk_size=256)
     assert engine.runner.graphs is not None
     server = ServerThread(engine, ServerOptions(port=0), DirectoryStore(tmp_path))
     port = server.start()

@@ -10,7 +10,7 @@ import pytest
 
 from sidecar.store import DirectoryStore, GenerationConflict, RedisStore, StoredSession, open_store
 
-from tests.conftest import run_turn
+from tests.conftest import make_engine, run_turn
 
 
 @pytest.fixture(params=["directory", "redis"])
@@ -126,16 +126,13 @@ def test_open_store_urls(tmp_path):
 def test_engine_session_round_trips_through_the_directory_store(tiny_models, tmp_path):
     """A session snapshot, split into record + KV chunks, written, read back and loaded into a
     second engine, continues exactly like the original; with its KV damaged it is rebuilt."""
-    from engine.config import EngineConfig
-    from engine.llm import LLMEngine
     from engine.sampling import SamplingParams
     from sidecar.snapshot_codec import join_snapshot, split_snapshot
 
     folder, _ = tiny_models("llama")
-    cfg = EngineConfig(model=folder, num_pages=600, prefill_chunk_size=16)
     params = SamplingParams(max_tokens=6)
 
-    a, b, c = LLMEngine(cfg), LLMEngine(cfg), LLMEngine(cfg)
+    a, b, c = (make_engine(folder, num_pages=600, prefill_chunk_size=16) for _ in range(3))
     run_turn(a, "s", list(range(5, 40)), params)
     store = DirectoryStore(tmp_path, chunk_bytes=4096)
     stored = split_snapshot(a.snapshot_session("s"), {"tools_digest": ""})

@@ -23,6 +23,8 @@ from engine.llm import LLMEngine, RequestError
 from engine.model.loader import load_hf_config, parse_hf_config
 from engine.sampling import SamplingParams
 
+from tests.conftest import make_engine
+
 METHODS = [
     MethodSpec("dense"),
     MethodSpec("snapkv", budget=32),
@@ -33,18 +35,21 @@ METHODS = [
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
+TP_ENGINE = dict(
+    device="cpu",
+    dtype="float32",
+    num_pages=3000,
+    max_num_seqs=8,
+    prefill_chunk_size=64,
+    max_num_batched_tokens=256,
+    max_model_len=512,
+)
+"""The engine settings of both sides (each adds its tensor_parallel_size)."""
+
+
 def _config(path: str, tp: int) -> EngineConfig:
-    return EngineConfig(
-        model=path,
-        device="cpu",
-        dtype="float32",
-        tensor_parallel_size=tp,
-        num_pages=3000,
-        max_num_seqs=8,
-        prefill_chunk_size=64,
-        max_num_batched_tokens=256,
-        max_model_len=512,
-    )
+    """The config a 2-rank launch is given."""
+    return EngineConfig(model=path, tensor_parallel_size=tp, **TP_ENGINE)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -97,7 +102,7 @@ def tp2(tiny, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp1(tiny):
-    return scenarios(LLMEngine(_config(tiny, 1)))
+    return scenarios(make_engine(tiny, TP_ENGINE, tensor_parallel_size=1))
 
 
 slow_tp = pytest.mark.slow  # spawns 2 processes (imports dominate: ~10-40 s on a loaded CPU)
@@ -122,7 +127,7 @@ def test_tp2_snapshot_resumes_on_tp1(tiny, tp1, tp2, method):
     snap = SessionSnapshot.from_bytes(tp2[f"snapshot.{method}"])
     assert snap.meta["tensor_parallel"] == {"size": 2, "kv_heads_per_rank": 1}
     assert tuple(snap.kv.lengths.shape) == (3, 2)  # the whole model's kv-heads
-    engine = LLMEngine(_config(tiny, 1))
+    engine = make_engine(tiny, TP_ENGINE, tensor_parallel_size=1)
     engine.load_session(snap)
     if method == "snapkv":  # the KV moved is the compressed one
         assert int(snap.kv.lengths.max()) < 80
@@ -134,7 +139,7 @@ def test_tp2_snapshot_resumes_on_tp1(tiny, tp1, tp2, method):
 @slow_tp
 def test_per_rank_state_refused_on_other_tp(tiny, tp2):
     snap = SessionSnapshot.from_bytes(tp2["snapshot.h2o"])
-    engine = LLMEngine(_config(tiny, 1))
+    engine = make_engine(tiny, TP_ENGINE, tensor_parallel_size=1)
     with pytest.raises(SnapshotError, match="tensor_parallel_size 2"):
         engine.load_session(snap)
 

@@ -15,11 +15,12 @@ import json
 import pytest
 import torch
 
-from engine.config import EngineConfig
 from engine.lifecycle import MethodSpec
 from engine.llm import LLMEngine
 from engine.methods import REGISTRY
 from engine.sampling import SamplingParams
+
+from tests.conftest import make_engine
 
 
 def spec_for(name: str, tmp_path) -> MethodSpec:
@@ -71,17 +72,15 @@ def test_nan_in_unwritten_slots_changes_nothing(name, tiny_models, tmp_path):
     spec = spec_for(name, tmp_path)
     runs = []
     for poisoned in (False, True):
-        engine = LLMEngine(
-            EngineConfig(
-                model=path,
-                method=name,
-                method_args=dict(spec.method_args),
-                budget=spec.budget,
-                num_pages=600,
-                page_size=4,
-                prefill_chunk_size=64,
-                max_num_batched_tokens=256,
-            )
+        engine = make_engine(
+            path,
+            method=name,
+            method_args=dict(spec.method_args),
+            budget=spec.budget,
+            num_pages=600,
+            page_size=4,
+            prefill_chunk_size=64,
+            max_num_batched_tokens=256,
         )
         if poisoned:
             poison(engine)

@@ -17,6 +17,7 @@ import pytest
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
+from tests.conftest import make_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability]
 
@@ -32,8 +33,6 @@ def conversation(i: int) -> list[str]:
 
 
 def test_concurrent_sessions_on_a_small_pool(tmp_path, reliability_report):
-    from engine.config import EngineConfig
-    from engine.llm import LLMEngine
     from sidecar.protocol import Limits
     from sidecar.server import ServerOptions, ServerThread
     from sidecar.store import DirectoryStore
@@ -47,8 +46,8 @@ def test_concurrent_sessions_on_a_small_pool(tmp_path, reliability_report):
     # a session's full history is about 40 tokens of template + ~20 per turn: the pool holds ~3 of them
     per_session_pages = ((40 + TURNS * (20 + MAX_TOKENS)) // PAGE_SIZE + 1) * pages_per_block
     num_pages = 3 * per_session_pages
-    engine = LLMEngine(
-        EngineConfig(num_pages=num_pages, page_size=PAGE_SIZE, prefill_chunk_size=128, max_model_len=512, device="cpu")
+    engine = make_engine(
+        None, num_pages=num_pages, page_size=PAGE_SIZE, prefill_chunk_size=128, max_model_len=512, device="cpu"
     )
     store = DirectoryStore(tmp_path / "sessions")
     options = ServerOptions(port=0, snapshot_kv=False, limits=Limits(default_max_tokens=MAX_TOKENS))

@@ -7,7 +7,8 @@
   remove a file outside the store's root;
 * rollback: every older, validly signed record put back in place is refused, on both stores.
 
-The sidecar-level checks of each class (SmolLM2 in process) are in tests/test_security_sidecar.py.
+The sidecar-level checks of each class (SmolLM2 in process) are in tests/test_sidecar_security.py
+(``TestAdversarialReview``).
 """
 
 from __future__ import annotations
