@@ -100,7 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from engine.distributed.launcher import launch
 
         return launch(config, serve_engine, args)
-    from engine.llm import LLMEngine
+    from engine.api import LLMEngine
 
     serve_engine(LLMEngine(config), args, setup)
     return 0

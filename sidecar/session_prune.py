@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from engine.chain import SessionNotFound
+from engine.api import SessionNotFound
 from sidecar.engine_client import EngineClient, PruneSpec
 from sidecar.engine_results import PruneResult
 from sidecar.hooks import ServerHooks

@@ -33,11 +33,9 @@ import time
 import weakref
 from typing import Callable
 
-from engine.chain import SessionBusy, SessionError, SessionNotFound, TurnIndexMismatch
-from engine.lifecycle import MethodError
+from engine.api import MethodError, SessionBusy, SessionError, SessionInfo, SessionNotFound, TurnIndexMismatch
 from sidecar.engine_client import EngineClient
 from sidecar.ended_sessions import EndedSessions
-from sidecar.engine_results import SessionInfo
 from sidecar.session_record import Running, Session, recorded_in
 from sidecar.snapshot_codec import join_snapshot
 from sidecar.store import SessionStore, StoreError, StoreUnavailable

@@ -25,7 +25,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from engine.chain import SessionBusy, SessionNotFound
+from engine.api import SessionBusy, SessionNotFound
 from sidecar.engine_client import EngineClient
 from sidecar.sessions import SessionManager
 from sidecar.snapshot_codec import join_snapshot, split_snapshot

@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator
 
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from engine.chain import SessionBusy, SessionNotFound, TurnIndexMismatch
+from engine.api import SessionBusy, SessionNotFound, TurnIndexMismatch
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.chat import tool_from_json, tools_digest
 from sidecar.http import chain_protocol
@@ -38,7 +38,7 @@ from sidecar.http.conversations import (
     transcript_digest,
 )
 from sidecar.http.errors import from_exception, invalid
-from sidecar.protocol import InvalidRequest, message_dict
+from sidecar.protocol import InvalidRequest, message_dict, method_fields
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_TOOL_CALLS: "tool_calls"}
 MAX_MESSAGES = 4096
@@ -91,14 +91,7 @@ def transcript_digests(tenant: str, messages: list[pb.Message], base: pb.TurnReq
         tdigest = tools_digest([tool_from_json(t.name, t.description, t.parameters_json) for t in base.tools])
     except (InvalidRequest, ValueError) as e:
         raise invalid(str(e)) from None
-    method = json.dumps(
-        [
-            base.method,
-            base.budget if base.HasField("budget") else None,
-            base.budget_ratio if base.HasField("budget_ratio") else None,
-            sorted(base.method_args.items()),
-        ]
-    )
+    method = json.dumps([sorted(v.items()) if isinstance(v, dict) else v for v in method_fields(base).values()])
     return dicts, prefix_digests(seed_digest(tenant, tdigest, method), dicts)
 
 
