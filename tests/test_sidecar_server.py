@@ -162,7 +162,7 @@ def test_cancel_and_deadline_stop_the_engine_and_roll_the_turn_back(local):
 
     def settled():
         s = stub.GetSession(pb.GetSessionRequest(session_id="cancel"), metadata=ALPHA)
-        return s if s.state != pb.SESSION_STATE_ACTIVE and eng.stats()["running"] == 0 else None
+        return s if s.state != pb.SESSION_STATE_ACTIVE and eng.stats().running == 0 else None
 
     call = stub.Turn(request("cancel", TURNS[1], max_tokens=300, ignore_eos=True), metadata=ALPHA)
     for n, _ in enumerate(call, 1):
