@@ -48,7 +48,8 @@ def test_the_method_settings_are_spelled_the_way_method_spec_declares_them():
     from engine.api import MethodSpec
     from engine.config import EngineConfig
     from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-    from sidecar.protocol import InvalidRequest, method_fields, method_spec, set_method_fields
+    from sidecar.protocol import InvalidRequest, method_fields, method_spec, request_method_fields, set_method_fields
+    from sidecar.turn_request import TurnRequest, from_proto
 
     config = {f.name: f for f in dataclasses.fields(EngineConfig)}
     for f in dataclasses.fields(MethodSpec):
@@ -61,17 +62,20 @@ def test_the_method_settings_are_spelled_the_way_method_spec_declares_them():
     spec = MethodSpec("streaming_llm", budget=8, method_args={"n_sink": "2"})
     assert MethodSpec.from_config(EngineConfig(method="streaming_llm", budget=8, method_args={"n_sink": "2"})) == spec
     assert MethodSpec.from_record(spec.to_record()) == spec
+    assert set(MethodSpec.field_names()) <= {f.name for f in dataclasses.fields(TurnRequest)}
     req = pb.TurnRequest()
-    assert method_spec(req) is None and method_fields(req) == {
+    assert method_spec(from_proto(req)) is None and method_fields(req) == {
         "method": "",
         "budget": None,
         "budget_ratio": None,
         "method_args": {},
     }
+    assert request_method_fields(from_proto(req)) == method_fields(req)
     set_method_fields(req, spec)
-    assert method_spec(req) == spec
+    assert method_spec(from_proto(req)) == spec
+    assert request_method_fields(from_proto(req)) == method_fields(req) == spec.to_record()
     session = pb.Session()
     set_method_fields(session, MethodSpec("snapkv", budget_ratio=0.5))
     assert method_fields(session) == {"method": "snapkv", "budget": None, "budget_ratio": 0.5, "method_args": {}}
     with pytest.raises(InvalidRequest, match="^budget, budget_ratio and method_args need a method$"):
-        method_spec(pb.TurnRequest(budget=0))
+        method_spec(from_proto(pb.TurnRequest(budget=0)))
