@@ -134,10 +134,10 @@ def run_chain(
         info = engine.session_info(sid)
         footprint.append(
             {
-                "kv_tokens": info["kv_tokens"],
-                "history_tokens": info["num_tokens"],
-                "cached_tokens": info["cached_tokens"],
-                "pruned_tokens": info["pruned_tokens"],
+                "kv_tokens": info.kv_tokens,
+                "history_tokens": info.num_tokens,
+                "cached_tokens": info.cached_tokens,
+                "pruned_tokens": info.pruned_tokens,
             }
         )
         engine.end_session(sid)

@@ -170,8 +170,8 @@ def run_forced(engine: LLMEngine, refs: list[Reference], spec: MethodSpec) -> li
         if seq.token_ids != refs[i].history:
             raise RuntimeError(f"teacher forcing failed: session {sid!r}'s history is not dense's")
         info = engine.session_info(sid)
-        out[i].kv_fraction = info["kv_tokens"] / (L * H * max(1, info["cached_tokens"]))
-        out[i].cold_fraction = engine.controller.recall.cold_tokens(sid) / (L * H * max(1, info["cached_tokens"]))
+        out[i].kv_fraction = info.kv_tokens / (L * H * max(1, info.cached_tokens))
+        out[i].cold_fraction = engine.controller.recall.cold_tokens(sid) / (L * H * max(1, info.cached_tokens))
         engine.end_session(sid)
     return out
 

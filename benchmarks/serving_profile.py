@@ -53,7 +53,7 @@ SPANS = [
     ("chains", "_auto_prune", "turn.auto_prune"),
     ("chains", "prune", "prune"),
     ("loop", "_complete", "step.read_tokens"),
-    (None, "add_turn", "cmd.add_turn"),
+    (None, "submit_turn", "cmd.add_turn"),
     (None, "session_info", "cmd.session_info"),
     (None, "end_session", "cmd.end_session"),
 ]
@@ -131,7 +131,7 @@ class ServingProfile:
 
     def _counters(self) -> dict[str, int]:
         stats = self.engine.stats()
-        return {k: int(stats.get(k, 0)) for k in COUNTERS}
+        return {k: int(getattr(stats, k)) for k in COUNTERS}
 
     # --- spans -----------------------------------------------------------------------------------
     def _wrap(self, fn, name: str):

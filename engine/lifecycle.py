@@ -126,9 +126,30 @@ class MethodSpec:
             raise MethodError(f"budget_ratio must be in (0, 1], not {self.budget_ratio!r}")
 
     @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The method settings, as every layer spells them: EngineConfig's fields, a snapshot's
+        method record, the gRPC Turn's and Session's fields and the HTTP ``chainkv`` extension."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> "MethodSpec":
+        """The spec a mapping of its field names holds (a snapshot's method record); keys that are
+        not method settings are ignored, a missing one is a KeyError."""
+        values = {name: record[name] for name in cls.field_names()}
+        return cls(**{**values, "method_args": dict(values["method_args"] or {})})
+
+    @classmethod
     def from_config(cls, config: Any) -> "MethodSpec":
-        """The default spec an EngineConfig names (its ``method``, ``budget``, ``budget_ratio``, ``method_args``)."""
-        return cls(config.method, config.budget, config.budget_ratio, dict(config.method_args))
+        """The default spec an EngineConfig names (its fields of the same names)."""
+        return cls.from_record({name: getattr(config, name) for name in cls.field_names()})
+
+    def to_record(self) -> dict[str, Any]:
+        """The spec as a plain mapping of its field names (a snapshot's method record)."""
+        return {name: getattr(self, name) for name in self.field_names()}
+
+    def copy(self) -> "MethodSpec":
+        """A copy that shares nothing mutable with this spec."""
+        return MethodSpec.from_record(self.to_record())
 
     def key(self) -> tuple:
         return (

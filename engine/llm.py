@@ -21,7 +21,7 @@ from engine.build import attention_backend, num_pages, resolve_device, resolve_d
 from engine.cache.formats import make_format
 from engine.cache.manager import CacheManager
 from engine.cache.pages import PagePool
-from engine.chain import ChainCache, ChainState, SessionError, SessionHints, Tier
+from engine.chain import ChainCache, ChainState, SessionError, SessionInfo, Tier, TurnSpec
 from engine.config import EngineConfig
 from engine.constrained import GrammarBackend
 from engine.controller import SparseController
@@ -39,6 +39,7 @@ from engine.model.loader import (
     read_safetensors,
     resolve_model_dir,
 )
+from engine.reports import EngineStats, ModelInfo
 from engine.requests import CapacityError, RequestError, RequestFactory
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
@@ -215,43 +216,21 @@ class LLMEngine:
 
     # --- sessions (the Chain Cache) ----------------------------------------------------------------
     def add_turn(
-        self,
-        session_id: Hashable,
-        tokens: list[int],
-        params: SamplingParams | None = None,
-        *,
-        role: str = "user",
-        spans: list[tuple[int, int, str]] | None = None,
-        method: MethodSpec | None = None,
-        expected_turn_index: int | None = None,
-        history: list[int] | None = None,
-        shared_prefix: int = 0,
-        prefix_scope: str = "",
-        hints: SessionHints | None = None,
+        self, session_id: Hashable, tokens: list[int] = (), params: SamplingParams | None = None, **options: Any
     ) -> Hashable:
-        """Run one turn of a session: ``tokens`` are appended to its history and only they are
+        """``submit_turn`` with the turn given as ``TurnSpec``'s fields: ``tokens``, ``params`` and
+        any of its options by name (``role``, ``spans``, ``method``, ``history``, ``hints``, ...)."""
+        return self.submit_turn(session_id, TurnSpec(list(tokens), params or SamplingParams(), **options))
+
+    def submit_turn(self, session_id: Hashable, turn: TurnSpec) -> Hashable:
+        """Run one turn of a session: ``turn.tokens`` are appended to its history and only they are
         prefilled, attending to the session's cached (possibly compressed) KV. Creates the session
-        on its first turn. ``history`` instead of ``tokens`` gives the whole history, which must
-        extend the session's. ``shared_prefix``: how many leading tokens of a first turn are a
-        prompt other sessions share (stored once). ``hints``: the agent's priority, pin or release
-        (engine/chain/hints.py). Outputs carry the request id ``session_id``."""
-        params = params or SamplingParams()
+        on its first turn (engine/chain/turn_spec.py says what a turn may ask for). Outputs carry
+        the request id ``session_id``."""
         if session_id in self._seqs and session_id not in self.chains.chains:
             raise RequestError(f"id {session_id!r} is in use by a one-shot request")
         try:
-            seq = self.chains.start_turn(
-                session_id,
-                list(tokens),
-                params,
-                role=role,
-                spans=spans,
-                method=method,
-                expected_turn_index=expected_turn_index,
-                history=history,
-                shared_prefix=shared_prefix,
-                prefix_scope=prefix_scope,
-                hints=hints,
-            )
+            seq = self.chains.start_turn(session_id, turn)
         except CapacityError:
             raise
         except RequestError as e:
@@ -270,7 +249,7 @@ class LLMEngine:
     def fork_session(self, session_id: Hashable, child_id: Hashable) -> None:
         self.chains.fork(session_id, child_id)
 
-    def session_info(self, session_id: Hashable) -> dict:
+    def session_info(self, session_id: Hashable) -> SessionInfo:
         return self.chains.info(session_id)
 
     def set_eviction_priority(self, session_id: Hashable, priority: int) -> None:
@@ -375,7 +354,20 @@ class LLMEngine:
                     done[out.request_id] = out
         return [done[i] for i in ids]
 
-    # --- stats ------------------------------------------------------------------------------------------
+    # --- reports ------------------------------------------------------------------------------------
+    def model_info(self) -> ModelInfo:
+        mc, cfg = self.model_config, self.config
+        return ModelInfo(
+            name=self.model_dir.name,
+            architecture=mc.architecture,
+            max_model_len=self.max_model_len,
+            vocab_size=mc.vocab_size,
+            method=cfg.method,
+            fingerprint=self.fingerprint(),
+            prune_roles=tuple(cfg.prune_roles),
+            prune_lag=cfg.prune_lag,
+        )
+
     def _recall_stats(self) -> dict[str, int]:
         """The recall tier's copies since the engine started (engine/recall.py)."""
         tier = self.controller.recall
@@ -390,21 +382,25 @@ class LLMEngine:
             "recall_staging_buffers": tier.staging_buffers,
         }
 
-    def stats(self) -> dict[str, int]:
-        return {
-            "pages_total": self.pool.num_pages,
-            "pages_free": self.pool.num_free,
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "preemptions": self.scheduler.preemptions,
-            "forward_passes": self.runner.forward_passes,
-            "graph_steps": self.runner.graph_steps,
-            "evicted_pages": self.controller.evicted_pages,
-            "evicted_tokens": self.controller.evicted_tokens,
-            "sessions": len(self.chains.chains),
-            "demotions": self.chains.demotions,
-            "swaps": self.scheduler.swaps,
-            "prefix_holders": self.chains.prefixes.num_holders,
+    def stats(self) -> EngineStats:
+        by_state: dict[str, int] = {}
+        for chain in self.chains.chains.values():
+            by_state[chain.state.value] = by_state.get(chain.state.value, 0) + 1
+        return EngineStats(
+            pages_total=self.pool.num_pages,
+            pages_free=self.pool.num_free,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            preemptions=self.scheduler.preemptions,
+            forward_passes=self.runner.forward_passes,
+            graph_steps=self.runner.graph_steps,
+            evicted_pages=self.controller.evicted_pages,
+            evicted_tokens=self.controller.evicted_tokens,
+            sessions=len(self.chains.chains),
+            demotions=self.chains.demotions,
+            swaps=self.scheduler.swaps,
+            prefix_holders=self.chains.prefixes.num_holders,
+            sessions_by_state=by_state,
             **self._recall_stats(),
             **self.totals,
-        }
+        )

@@ -29,8 +29,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine.llm import LLMEngine, RequestError
-    from engine.sampling import SamplingError, SamplingParams
+    from engine.api import LLMEngine, RequestError, SamplingError, SamplingParams
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
@@ -89,7 +88,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                         "prompt_tokens": len(tokens),
                         "generated_tokens": len(final.token_ids),
                         "time_to_first_token_s": final.time_to_first_token,
-                        "evicted_tokens": engine.stats()["evicted_tokens"],
+                        "evicted_tokens": engine.stats().evicted_tokens,
                     },
                     "method": config.method,
                 }
@@ -101,14 +100,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from engine.methods.duo_calibration import calibrate, write_pattern
-    from engine.llm import LLMEngine
+    from engine.api import LLMEngine, calibrate_duo, write_duo_pattern
 
     if args.samples < 1 or not 0 < args.min_tokens <= args.max_tokens:
         print("chainkv: --samples must be >= 1 and 0 < --min-tokens <= --max-tokens", file=sys.stderr)
         return 2
     engine = LLMEngine(engine_config_from_args(args), num_pages=1)
-    pattern = calibrate(
+    pattern = calibrate_duo(
         engine,
         samples=args.samples,
         min_tokens=args.min_tokens,
@@ -117,7 +115,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         n_recent=args.n_recent,
         seed=args.calibration_seed,
     )
-    path = write_pattern(pattern, args.out or f"duo_pattern_{pattern['model']}.json")
+    path = write_duo_pattern(pattern, args.out or f"duo_pattern_{pattern['model']}.json")
     cal = pattern["calibration"]
     print(
         f"wrote {path}: {pattern['num_layers']} layers x {pattern['num_kv_heads']} kv-heads, "
@@ -129,8 +127,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    from engine.lifecycle import MethodError
-    from engine.model.loader import ModelLoadError
+    from engine.api import MethodError, ModelLoadError
 
     try:
         if args.command == "generate":

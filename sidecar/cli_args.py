@@ -16,9 +16,9 @@ from sidecar.settings import add_flags
 
 
 def _methods_epilog() -> str:
-    from engine.methods import describe
+    from engine.api import describe_methods
 
-    return "sparse methods (--method NAME, parameters as --method-arg KEY=VALUE):\n" + describe()
+    return "sparse methods (--method NAME, parameters as --method-arg KEY=VALUE):\n" + describe_methods()
 
 
 def build_parser() -> argparse.ArgumentParser:

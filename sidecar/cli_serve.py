@@ -98,7 +98,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if store is not None:
             store.close()  # rank 0 opens its own client
         return launch(setup.config, serve_rank0, setup)
-    from engine.llm import LLMEngine
+    from engine.api import LLMEngine
 
     serve_engine(LLMEngine(setup.config), setup, store)
     return 0

@@ -3,14 +3,14 @@
 The engine is not thread-safe: one thread (``EngineLoop``) owns it, runs commands between forward
 passes and steps it. Everything on the asyncio side (the gRPC servicer, the session manager, the
 snapshot writer, an HTTP front) reaches the engine only through this client's typed async methods.
-Each runs its engine work as a method of the client on the engine thread and converts what the
-engine returns (dicts, live ``RequestOutput`` objects) into the frozen values of
-``sidecar.engine_results`` before it crosses back, so nothing on the event loop reads engine state
-the engine thread may be changing.
+Each runs its engine work as a method of the client on the engine thread; what crosses back is
+frozen: the engine's own typed reports (``SessionInfo``, ``EngineStats``: engine/api.py) and the
+values of ``sidecar.engine_results`` the client copies live ``RequestOutput`` objects into, so
+nothing on the event loop reads engine state the engine thread may be changing.
 
     client = EngineClient(engine)
     client.start()                                    # on the event loop
-    stream = await client.start_turn(key, EngineTurn(token_ids, params))
+    stream = await client.start_turn(key, TurnSpec(token_ids, params), new_session=True)
     async for delta in stream:                        # TurnDelta per engine step
         ...
     stream.result                                     # TurnResult: finish reason, usage, SessionInfo
@@ -31,40 +31,24 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
-from engine.cache.snapshot import SessionSnapshot
-from engine.chain import SessionHints, SessionNotFound
-from engine.lifecycle import MethodSpec
-from engine.llm import LLMEngine
-from engine.prune_rule import check_policy, check_span, due_spans
-from engine.sampling import SamplingParams
-from engine.sequence import RequestOutput
+from engine.api import (
+    EngineStats,
+    LLMEngine,
+    RequestOutput,
+    SessionInfo,
+    SessionNotFound,
+    SessionSnapshot,
+    TurnSpec,
+    check_policy,
+    check_span,
+    due_spans,
+)
 from sidecar.engine_loop import EngineFailed, EngineLoop
-from sidecar.engine_results import EngineStats, ModelInfo, PruneResult, SessionInfo, TurnDelta, TurnResult
+from sidecar.engine_results import PruneResult, TurnDelta, TurnResult
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineClient", "EngineFailed", "EngineTurn", "PruneSpec", "TurnStream"]
-
-
-@dataclass(frozen=True)
-class EngineTurn:
-    """One turn for the engine: the new tokens (rendered) and how to generate the reply."""
-
-    token_ids: list[int]
-    params: SamplingParams
-    spans: list[tuple[int, int, str]] | None = None
-    """Role-tagged spans of ``token_ids`` (the chain's pruning rule reads them)."""
-    method: MethodSpec | None = None
-    """A new session's sparse method; None: the engine's default."""
-    expected_turn_index: int | None = None
-    shared_prefix: int = 0
-    """How many leading tokens of a first turn are a prompt other sessions share."""
-    new_session: bool = False
-    prefix_scope: str = ""
-    """Who may share this session's prompt prefix: its tenant by default ("tenant:<name>"); "" for a
-    prefix the request declared public."""
-    hints: SessionHints | None = None
-    """The agent's priority, pin or release (engine/chain/hints.py)."""
+__all__ = ["EngineClient", "EngineFailed", "PruneSpec", "TurnStream"]
 
 
 @dataclass(frozen=True)
@@ -119,17 +103,7 @@ class EngineClient:
     def __init__(self, engine: LLMEngine, on_failure: Callable[[BaseException], None] | None = None):
         self._engine = engine
         self._thread = EngineLoop(engine, on_failure=on_failure)
-        mc, cfg = engine.model_config, engine.config
-        self.model = ModelInfo(
-            name=engine.model_dir.name,
-            architecture=mc.architecture,
-            max_model_len=engine.max_model_len,
-            vocab_size=mc.vocab_size,
-            method=cfg.method,
-            fingerprint=engine.fingerprint(),
-            prune_roles=tuple(cfg.prune_roles),
-            prune_lag=cfg.prune_lag,
-        )
+        self.model = engine.model_info()
         self.tokenizer: Any = engine.tokenizer
         """The engine's tokenizer (see the module docstring on sharing it)."""
         self.eos_token_ids: frozenset[int] = frozenset(engine.eos_token_ids)
@@ -160,10 +134,11 @@ class EngineClient:
         self._engine.grammars.compile(constraint)
 
     # --- turns ----------------------------------------------------------------------------------------
-    async def start_turn(self, key: str, turn: EngineTurn) -> TurnStream:
-        """Queue ``turn`` on session ``key`` (created by its first turn); its outputs stream."""
-        stream = TurnStream(key, len(turn.token_ids), asyncio.get_running_loop())
-        await self._thread.call(self._start_turn, key, turn, stream)
+    async def start_turn(self, key: str, turn: TurnSpec, new_session: bool = False) -> TurnStream:
+        """Queue ``turn`` on session ``key``; its outputs stream. ``new_session``: the turn creates
+        the session (else the engine must hold it)."""
+        stream = TurnStream(key, len(turn.tokens), asyncio.get_running_loop())
+        await self._thread.call(self._start_turn, key, turn, new_session, stream)
         return stream
 
     async def release_turn(self, key: str) -> SessionInfo | None:
@@ -226,34 +201,19 @@ class EngineClient:
 
     # --- on the engine thread -------------------------------------------------------------------------
     def _stats_into(self, fut: concurrent.futures.Future) -> None:
-        eng = self._engine
         try:
-            by_state: dict[str, int] = {}
-            for chain in eng.chains.chains.values():
-                state = getattr(chain.state, "value", str(chain.state))
-                by_state[state] = by_state.get(state, 0) + 1
-            fut.set_result(EngineStats(counters=dict(eng.stats()), sessions_by_state=by_state))
+            fut.set_result(self._engine.stats())
         except Exception as e:  # the scraping thread gets it
             fut.set_exception(e)
 
     def _info(self, key: Hashable) -> SessionInfo:
-        return SessionInfo.from_engine(self._engine.session_info(key))
+        return self._engine.session_info(key)
 
-    def _start_turn(self, key: str, turn: EngineTurn, stream: TurnStream) -> None:
+    def _start_turn(self, key: str, turn: TurnSpec, new_session: bool, stream: TurnStream) -> None:
         eng = self._engine
-        if not turn.new_session:
-            stream.prunes_before = len(eng.session_info(key)["prune_log"])
-        eng.add_turn(
-            key,
-            turn.token_ids,
-            turn.params,
-            spans=turn.spans,
-            method=turn.method,
-            expected_turn_index=turn.expected_turn_index,
-            shared_prefix=turn.shared_prefix if turn.new_session else 0,
-            prefix_scope=turn.prefix_scope,
-            hints=turn.hints,
-        )
+        if not new_session:
+            stream.prunes_before = len(eng.session_info(key).prune_log)
+        eng.submit_turn(key, turn)
         self._thread.register(key, functools.partial(self._deliver, stream))
 
     def _deliver(self, stream: TurnStream, out: RequestOutput | BaseException) -> None:

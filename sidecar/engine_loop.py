@@ -19,8 +19,7 @@ import threading
 from collections import deque
 from typing import Any, Callable, Hashable
 
-from engine.llm import LLMEngine
-from engine.sequence import RequestOutput
+from engine.api import LLMEngine, RequestOutput
 
 log = logging.getLogger(__name__)
 

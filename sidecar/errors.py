@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import grpc
 
-from engine.constrained import ConstraintError
-from engine.chain import (
+from engine.api import (
+    CapacityError,
+    ConstraintError,
     ContextFull,
     InvalidHint,
+    MethodError,
     PinLimit,
+    PruneRuleError,
+    RequestError,
+    SamplingError,
     SessionBusy,
     SessionError,
     SessionExists,
@@ -22,10 +27,6 @@ from engine.chain import (
     TurnIndexMismatch,
 )
 from engine.config import ConfigError
-from engine.lifecycle import MethodError
-from engine.llm import CapacityError, RequestError
-from engine.prune_rule import PruneRuleError
-from engine.sampling import SamplingError
 from sidecar.structured import OutputSpecError
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.auth import Unauthenticated

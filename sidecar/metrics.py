@@ -31,11 +31,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.engine_client import EngineClient
-from sidecar.engine_results import EngineStats
 from sidecar.hooks import ServerHooks
 
 if TYPE_CHECKING:  # pragma: no cover
-    from engine.llm import LLMEngine
+    from engine.api import EngineStats, LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +54,9 @@ class EngineCollector:
         stats = self.read()
         if stats is None:  # the engine is not serving (or did not answer in time)
             return
-        st = stats.counters
         pages = GaugeMetricFamily("chainkv_kv_pages", "KV pool pages by state", labels=["state"])
-        pages.add_metric(["free"], st["pages_free"])
-        pages.add_metric(["used"], st["pages_total"] - st["pages_free"])
+        pages.add_metric(["free"], stats.pages_free)
+        pages.add_metric(["used"], stats.pages_total - stats.pages_free)
         yield pages
         tiers = dict.fromkeys(("gpu", "host", "history"), 0)
         for state, n in stats.sessions_by_state.items():
@@ -67,12 +65,12 @@ class EngineCollector:
         for tier, n in tiers.items():
             sessions.add_metric([tier], n)
         yield sessions
-        yield GaugeMetricFamily("chainkv_requests_running", "requests being decoded or prefilled", value=st["running"])
-        yield GaugeMetricFamily("chainkv_requests_waiting", "requests waiting for KV pages", value=st["waiting"])
+        yield GaugeMetricFamily("chainkv_requests_running", "requests being decoded or prefilled", value=stats.running)
+        yield GaugeMetricFamily("chainkv_requests_waiting", "requests waiting for KV pages", value=stats.waiting)
         yield CounterMetricFamily(
-            "chainkv_preemptions", "requests preempted for lack of pages", value=st["preemptions"]
+            "chainkv_preemptions", "requests preempted for lack of pages", value=stats.preemptions
         )
-        yield CounterMetricFamily("chainkv_decoded_tokens", "tokens decoded", value=st.get("decoded_tokens", 0))
+        yield CounterMetricFamily("chainkv_decoded_tokens", "tokens decoded", value=stats.decoded_tokens)
 
 
 class MetricsHooks(ServerHooks):

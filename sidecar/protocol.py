@@ -15,13 +15,20 @@ from typing import Any
 
 import numpy as np
 
-from engine.chain import InvalidHint, SessionHints
-from engine.lifecycle import MethodError, MethodSpec, build_params
-from engine.methods import get_method_class
-from engine.sampling import SamplingError, SamplingParams
+from engine.api import (
+    InvalidHint,
+    MethodError,
+    MethodSpec,
+    PruneRecord,
+    SamplingError,
+    SamplingParams,
+    SessionHints,
+    SessionInfo,
+    build_params,
+    get_method_class,
+)
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.chat import ROLES, ChatError, ToolSpec, tool_from_json
-from sidecar.engine_results import PruneRecord, SessionInfo
 from sidecar.session_ids import BadSessionId, check_id
 from sidecar.session_record import Session
 from sidecar.limits import TurnTooLarge
@@ -234,18 +241,50 @@ def message_dict(m: Message) -> dict[str, Any]:
     return out
 
 
+def method_fields(msg) -> dict[str, Any]:
+    """A gRPC message's method settings, by ``MethodSpec``'s field names (the Turn and the Session
+    messages spell them alike): a map as a dict, an optional field it does not set as None."""
+    fields = msg.DESCRIPTOR.fields_by_name
+    out: dict[str, Any] = {}
+    for name in MethodSpec.field_names():
+        f = fields[name]
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            out[name] = dict(getattr(msg, name))
+        else:
+            out[name] = getattr(msg, name) if not f.has_presence or msg.HasField(name) else None
+    return out
+
+
+def set_method_fields(msg, spec: MethodSpec) -> None:
+    """Write ``spec`` into a gRPC message's method fields (a map's values as strings)."""
+    fields = msg.DESCRIPTOR.fields_by_name
+    for name, value in spec.to_record().items():
+        f = fields[name]
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            for k, v in value.items():
+                getattr(msg, name)[str(k)] = str(v)
+        elif value is not None:
+            setattr(msg, name, value)
+
+
+def request_method_fields(req: TurnRequest) -> dict[str, Any]:
+    """A typed request's method settings, by ``MethodSpec``'s field names (the request keeps the
+    message's names: a field it does not set is None, the map a dict)."""
+    values = {name: getattr(req, name) for name in MethodSpec.field_names()}
+    return {name: dict(v) if isinstance(v, dict) else v for name, v in values.items()}
+
+
 def method_spec(req: TurnRequest) -> MethodSpec | None:
     """The request's MethodSpec, or None when it names no method settings."""
-    given = req.method or req.budget is not None or req.budget_ratio is not None or len(req.method_args)
-    if not given:
+    values = request_method_fields(req)
+    if not any(v is not None and v != "" and v != {} for v in values.values()):
         return None
-    if not req.method:
-        raise InvalidRequest("budget, budget_ratio and method_args need a method")
+    if not values["method"]:
+        *settings, last = [n for n in values if n != "method"]
+        raise InvalidRequest(f"{', '.join(settings)} and {last} need a method")
     try:
-        cls = get_method_class(req.method)
-        args = dict(req.method_args)
-        build_params(cls, args)
-        return MethodSpec(req.method, req.budget, req.budget_ratio, args)
+        build_params(get_method_class(values["method"]), values["method_args"])
+        return MethodSpec.from_record(values)
     except MethodError as e:
         raise InvalidRequest(str(e)) from None
 
@@ -271,16 +310,7 @@ def session_proto(
         shared_prefix_tokens=info.shared_prefix_tokens,
         prune_log=[prune_record_proto(e) for e in info.prune_log],
     )
-    if info.spec is not None:
-        _set_method(
-            out,
-            {
-                "method": info.spec.method,
-                "budget": info.spec.budget,
-                "budget_ratio": info.spec.budget_ratio,
-                "method_args": info.spec.method_args,
-            },
-        )
+    set_method_fields(out, info.spec)
     tier = tier or STATE_TIERS.get(info.state)
     if tier:
         out.source_tier = TIERS[tier]
@@ -308,24 +338,14 @@ def stored_session_proto(session_id: str, record: dict[str, Any]) -> pb.Session:
         digest=record.get("digest", ""),
         pruned_kv_tokens=record.get("pruned_tokens", 0),
         shared_prefix_tokens=record.get("protected_len", 0),
-        prune_log=[prune_record_proto(PruneRecord.from_engine(e)) for e in record.get("prune_log", [])],
+        prune_log=[prune_record_proto(PruneRecord.from_record(e)) for e in record.get("prune_log", [])],
         source_tier=pb.TIER_STORE,
         snapshot_state=pb.SNAPSHOT_STATE_COMMITTED,
         committed_generation=record["generation"],
     )
     if isinstance(record.get("method"), dict):
-        _set_method(out, record["method"])
+        set_method_fields(out, MethodSpec.from_record(record["method"]))
     return out
-
-
-def _set_method(out: pb.Session, spec: dict[str, Any]) -> None:
-    out.method = spec.get("method") or ""
-    if spec.get("budget") is not None:
-        out.budget = int(spec["budget"])
-    if spec.get("budget_ratio") is not None:
-        out.budget_ratio = float(spec["budget_ratio"])
-    for k, v in (spec.get("method_args") or {}).items():
-        out.method_args[str(k)] = str(v)
 
 
 def prune_record_proto(e: PruneRecord) -> pb.PruneRecord:

@@ -12,7 +12,7 @@ import asyncio
 import threading
 from typing import Any, Callable
 
-from engine.llm import LLMEngine
+from engine.api import LLMEngine
 from sidecar.hooks import ServerHooks
 from sidecar.options import ServerOptions
 from sidecar.sidecar_server import SidecarServer

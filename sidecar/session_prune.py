@@ -9,7 +9,7 @@ marked dirty and the hooks told. The session is released whatever happens.
 
 from __future__ import annotations
 
-from engine.chain import SessionNotFound
+from engine.api import SessionNotFound
 from sidecar.engine_client import EngineClient, PruneSpec
 from sidecar.engine_results import PruneResult
 from sidecar.hooks import ServerHooks

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.engine_results import SessionInfo
+from engine.api import SessionInfo
 
 
 @dataclass

@@ -35,12 +35,10 @@ import asyncio
 import logging
 import time
 import weakref
-from engine.chain import SessionBusy, SessionError, SessionNotFound, TurnIndexMismatch
-from engine.lifecycle import MethodError
+from engine.api import MethodError, SessionBusy, SessionError, SessionInfo, SessionNotFound, TurnIndexMismatch
 from sidecar.engine_client import EngineClient
 from sidecar.ended_sessions import EndedSessions
 from sidecar.session_ids import SessionKey
-from sidecar.engine_results import SessionInfo
 from sidecar.session_record import Running, Session, recorded_in
 from sidecar.snapshot_codec import join_snapshot
 from sidecar.snapshots import SnapshotWriter

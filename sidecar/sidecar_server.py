@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 
-from engine.llm import LLMEngine
+from engine.api import LLMEngine
 from sidecar.chat import ChatRenderer
 from sidecar.endpoint import NOT_SERVING, SERVING, GrpcEndpoint
 from sidecar.engine_client import EngineClient

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.cache.snapshot import SessionSnapshot, SnapshotError
-from engine.chain import KV_STATE_KEYS
+from engine.api import KV_STATE_KEYS, SessionSnapshot, SnapshotError
 from sidecar.store import StoredSession
 
 

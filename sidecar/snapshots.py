@@ -25,7 +25,7 @@ import logging
 import time
 from typing import Any, Callable, Protocol
 
-from engine.chain import SessionBusy, SessionNotFound
+from engine.api import SessionBusy, SessionNotFound
 from sidecar.engine_client import EngineClient
 from sidecar.session_record import Session
 from sidecar.snapshot_codec import join_snapshot, split_snapshot

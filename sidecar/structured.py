@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from engine.constrained import Constraint, ConstraintError
+from engine.api import Constraint, ConstraintError
 from sidecar.chat import ToolSpec
 from sidecar.tool_calls import CLOSE, OPEN
 

@@ -30,16 +30,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import AsyncIterator, Callable
 
-from engine.chain import SessionError
-from engine.constrained import ConstraintError
-from engine.llm import CapacityError
+from engine.api import CapacityError, ConstraintError, SessionError, SessionInfo, TurnSpec
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.chat import ChatRenderer, tools_digest
-from sidecar.engine_client import EngineClient, EngineTurn
-from sidecar.engine_results import SessionInfo, TurnResult
+from sidecar.engine_client import EngineClient
+from sidecar.engine_results import TurnResult
 from sidecar.errors import SequenceFailed, TurnAborted
 from sidecar.hooks import ServerHooks
 from sidecar.limits import QuotaExceeded, TenantLimits
@@ -228,17 +226,17 @@ class TurnRunner:
         self.tenant_limits.check_prompt(SessionKey.tenant_of(key), len(rendered.token_ids))
         stream = await self.client.start_turn(
             key,
-            EngineTurn(
-                token_ids=rendered.token_ids,
+            TurnSpec(
+                tokens=rendered.token_ids,
                 params=args.params,
                 spans=rendered.spans,
                 method=args.method,
                 expected_turn_index=args.expected_turn_index,
-                shared_prefix=rendered.shared_prefix,
-                new_session=new,
+                shared_prefix=rendered.shared_prefix if new else 0,
                 prefix_scope="" if args.public_prefix else f"tenant:{SessionKey.tenant_of(key)}",
                 hints=args.hints,
             ),
+            new_session=new,
         )
         if new:
             s.in_engine, s.tools_digest, s.source_tier = True, digest, "new"
@@ -329,7 +327,7 @@ def completion_proto(
         source_tier=TIERS.get(result.source_tier or "", pb.TIER_UNSPECIFIED),
         history_tokens=info.num_tokens if info else 0,
         kv_tokens=info.kv_tokens if info else 0,
-        recall=pb.RecallTraffic(**info.recall.as_dict()) if info else None,
+        recall=pb.RecallTraffic(**asdict(info.recall)) if info else None,
     )
     if result.timing is not None:
         t = result.timing

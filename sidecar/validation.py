@@ -17,7 +17,7 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Any
 
-from engine.chain import SessionError
+from engine.api import SessionError
 from sidecar.limits import TurnTooLarge
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -116,7 +116,7 @@ def test_an_overtaken_request_goes_first_after_max_bypass(tiny):
 def test_prefill_shares_a_decoding_step_up_to_its_budget(tiny, monkeypatch):
     eng = make_engine(tiny, SMALL_PAGES_CPU, num_pages=4000, prefill_tokens_while_decoding=8)
     eng.add_request(prompt(1, 16), SamplingParams(max_tokens=30, ignore_eos=True), request_id="decoding")
-    while not eng.stats()["decoded_tokens"]:
+    while not eng.stats().decoded_tokens:
         eng.step()
     eng.add_request(prompt(2, 120), GREEDY, request_id="prompt")
     batches = []
@@ -164,7 +164,7 @@ def test_a_pinned_session_is_not_demoted_while_its_pin_holds(tiny):
     chains = eng.chains.chains
     assert chains["pinned"].state is ChainState.IDLE and eng.manager.has("pinned")
     assert chains["other"].state is not ChainState.IDLE
-    assert eng.stats()["demotions"] > 0
+    assert eng.stats().demotions > 0
 
     clock.now += 31.0  # the pin lapsed: "pinned" is demoted like any idle session
     _pressure(eng)
@@ -225,7 +225,7 @@ def test_hostile_hints_are_refused_and_change_nothing(roomy, hints):
     with pytest.raises(InvalidHint):
         roomy.add_turn(sid, prompt(2, 6), GREEDY, hints=hints)
     after = roomy.session_info(sid)
-    assert after["turn_index"] == before["turn_index"] and after["state"] == "idle"
+    assert after.turn_index == before.turn_index and after.state == "idle"
     assert roomy.chains.chains[sid].pinned_until == 0.0 and not roomy.has_unfinished()
 
 

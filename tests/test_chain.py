@@ -46,8 +46,8 @@ def test_six_turns_equal_rerunning_the_transcript(smol_engine):
             assert out.counters.reused_tokens == len(history) - 1
             assert out.source_tier == "gpu"
         history += new + out.token_ids
-        assert eng.session_info("six")["num_tokens"] == len(history)
-    assert eng.session_info("six")["turn_index"] == 6
+        assert eng.session_info("six").num_tokens == len(history)
+    assert eng.session_info("six").turn_index == 6
     eng.end_session("six")
     with pytest.raises(SessionNotFound):
         eng.session_info("six")
@@ -88,12 +88,12 @@ def test_pruning_a_tool_span_frees_pages_and_keeps_the_prefix(smol_engine):
     removed = eng.prune_history("prune", *span, policy="drop")
     after = eng.session_info("prune")
     assert removed == L * H * len(tool)
-    assert after["digest"] == info["digest"] and after["num_tokens"] == info["num_tokens"]
+    assert after.digest == info.digest and after.num_tokens == info.num_tokens
     # the span held ceil(len/16)-ish pages per head; compaction gives back what it no longer needs
     held = eng.manager.seq_lengths("prune")
-    assert int(held.min()) == int(held.max()) == info["num_tokens"] - 1 - len(tool)
+    assert int(held.min()) == int(held.max()) == info.num_tokens - 1 - len(tool)
     assert eng.manager.num_pages("prune") == L * H * math.ceil(int(held[0, 0]) / P) < pages_before
-    assert after["prune_log"][-1]["removed"] == removed
+    assert after.prune_log[-1].removed == removed
     nxt = next_turn(eng, "So, should I take an umbrella?")
     out2 = run_turn(eng, "prune", nxt, GREEDY)
     assert out2.counters.prefilled_tokens == len(nxt) + 1 and out2.source_tier == "gpu"
@@ -114,9 +114,9 @@ def test_keep_ratio_pruning_keeps_the_attended_part():
     run_turn(eng, "kr", first_turn(eng, "Check the inventory."), GREEDY)
     tool = next_turn(eng, "Inventory: " + haystack(10), role="tool")
     out = run_turn(eng, "kr", tool, GREEDY, role="tool")  # prune_lag 0: pruned at the end of its own turn
-    log = eng.session_info("kr")["prune_log"]
-    assert len(log) == 1 and log[0]["policy"] == "keep_ratio" and log[0]["reason"] == "lag"
-    assert log[0]["removed"] == L * H * (len(tool) - math.ceil(0.5 * len(tool)))
+    log = eng.session_info("kr").prune_log
+    assert len(log) == 1 and log[0].policy == "keep_ratio" and log[0].reason == "lag"
+    assert log[0].removed == L * H * (len(tool) - math.ceil(0.5 * len(tool)))
     lengths = eng.manager.seq_lengths("kr")
     assert int(lengths.max()) == out.turn_start + len(tool) + len(out.token_ids) - 1 - (
         len(tool) - math.ceil(0.5 * len(tool))
@@ -198,7 +198,7 @@ def test_session_errors_and_abort_rollback(smol_engine):
         eng.add_turn("err", [], GREEDY, history=hist[:-3] + [5, 6, 7, 8])
     with pytest.raises(TurnIndexMismatch):
         eng.add_turn("err", next_turn(eng, "x"), GREEDY, expected_turn_index=3)
-    digest = eng.session_info("err")["digest"]
+    digest = eng.session_info("err").digest
     eng.add_turn("err", next_turn(eng, "Count to fifty."), SamplingParams(max_tokens=40), expected_turn_index=1)
     with pytest.raises(SessionBusy):
         eng.add_turn("err", next_turn(eng, "again"), GREEDY)
@@ -206,7 +206,7 @@ def test_session_errors_and_abort_rollback(smol_engine):
     eng.step()
     eng.abort("err")  # rolled back: the history and its KV are as before the turn
     info = eng.session_info("err")
-    assert info["digest"] == digest and info["turn_index"] == 1 and info["state"] == "idle"
+    assert info.digest == digest and info.turn_index == 1 and info.state == "idle"
     assert int(eng.manager.seq_lengths("err").max()) <= len(hist)
     again = next_turn(eng, "What is your name?")
     out2 = run_turn(eng, "err", again, GREEDY, history=hist + again)

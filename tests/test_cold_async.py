@@ -11,6 +11,7 @@ stream and skip without a GPU.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -24,7 +25,6 @@ from engine.sampling import SamplingParams
 
 from agent_adapters.messages import Usage
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-from sidecar.engine_results import SessionInfo
 from tests.conftest import run_turn
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -263,29 +263,27 @@ def test_traffic_counts_every_byte_and_page_and_is_reported_per_turn(tiny_path):
     for i, t in enumerate(turns):
         before = tier.traffic.d2h_bytes, tier.traffic.h2d_bytes, tier.traffic.pages_fetched
         run_turn(engine, "s", t, GREEDY, method=spec if i == 0 else None)
-        info = engine.session_info("s")["recall_traffic"]
+        info = engine.session_info("s").recall
         after = tier.traffic.d2h_bytes, tier.traffic.h2d_bytes, tier.traffic.pages_fetched
-        assert (info["d2h_bytes"], info["h2d_bytes"], info["pages_fetched"]) == tuple(
-            x - y for x, y in zip(after, before)
-        )
+        assert (info.d2h_bytes, info.h2d_bytes, info.pages_fetched) == tuple(x - y for x, y in zip(after, before))
         reports.append(info)
     assert tier.traffic.d2h_bytes == (tier.captured_tokens + tier.returned_tokens) * token_bytes
     assert tier.traffic.h2d_bytes == tier.traffic.pages_fetched * shape.page_size * token_bytes
-    assert reports[0]["h2d_bytes"] == 0 and reports[0]["d2h_bytes"] > 0  # turn 1: nothing cold to recall yet
-    assert sum(r["recalls"] for r in reports) == tier.recalls > 0
+    assert reports[0].h2d_bytes == 0 and reports[0].d2h_bytes > 0  # turn 1: nothing cold to recall yet
+    assert sum(r.recalls for r in reports) == tier.recalls > 0
     # the last turn's record reaches a client: session info -> chainkv.v1.Usage.recall -> Usage.recall
-    typed = SessionInfo.from_engine(engine.session_info("s")).recall
-    assert Usage.from_proto(pb.Usage(recall=pb.RecallTraffic(**typed.as_dict()))).recall == reports[-1]
+    typed = engine.session_info("s").recall
+    assert Usage.from_proto(pb.Usage(recall=pb.RecallTraffic(**asdict(typed)))).recall == asdict(reports[-1])
     stats = engine.stats()
-    assert stats["recall_d2h_bytes"] == tier.traffic.d2h_bytes and stats["recall_h2d_bytes"] == tier.traffic.h2d_bytes
-    assert stats["recall_staging_buffers"] == 0
+    assert stats.recall_d2h_bytes == tier.traffic.d2h_bytes and stats.recall_h2d_bytes == tier.traffic.h2d_bytes
+    assert stats.recall_staging_buffers == 0
 
 
 def test_without_recall_nothing_is_copied(tiny_path):
     engine = _engine(tiny_path)
     _chat(engine, "s", _turns(8)[:2], MethodSpec("snapkv", budget=24))
-    assert engine.controller.recall.stores == {} and engine.stats()["recall_d2h_bytes"] == 0
-    assert engine.session_info("s")["recall_traffic"]["d2h_bytes"] == 0
+    assert engine.controller.recall.stores == {} and engine.stats().recall_d2h_bytes == 0
+    assert engine.session_info("s").recall.d2h_bytes == 0
 
 
 # --- 3. CUDA: the side stream ------------------------------------------------------------------------

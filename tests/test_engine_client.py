@@ -17,8 +17,9 @@ import pytest
 from engine.chain import SessionNotFound
 from engine.prune_rule import PruneRuleError
 from engine.sampling import SamplingParams
-from sidecar.engine_client import EngineClient, EngineFailed, EngineTurn, PruneSpec
-from sidecar.engine_results import EngineStats, SessionInfo, TurnResult
+from engine.api import EngineStats, SessionInfo, TurnSpec
+from sidecar.engine_client import EngineClient, EngineFailed, PruneSpec
+from sidecar.engine_results import TurnResult
 
 from tests.conftest import make_engine
 
@@ -48,17 +49,14 @@ def serve(engine, body):
     return asyncio.run(main())
 
 
-def turn(tokens, max_tokens=4, new=False, spans=None) -> EngineTurn:
-    return EngineTurn(
-        token_ids=list(tokens),
-        params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-        spans=spans,
-        new_session=new,
-    )
+def turn(tokens, max_tokens=4, new=False, spans=None) -> tuple[TurnSpec, bool]:
+    """A turn for the client, and whether it starts its session."""
+    return TurnSpec(list(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True), spans=spans), new
 
 
-async def finish(client, key, t: EngineTurn) -> tuple[list[int], TurnResult]:
-    stream = await client.start_turn(key, t)
+async def finish(client, key, t: tuple[TurnSpec, bool]) -> tuple[list[int], TurnResult]:
+    spec, new = t
+    stream = await client.start_turn(key, spec, new_session=new)
     ids = [i async for d in stream for i in d.token_ids]
     return ids, stream.result
 
@@ -85,14 +83,14 @@ def test_a_turn_streams_deltas_and_ends_with_its_result_and_the_session(engine):
 def test_release_rolls_an_unfinished_turn_back(engine):
     async def body(client):
         _, first = await finish(client, "r", turn(PROMPT, new=True))
-        stream = await client.start_turn("r", turn([5, 6, 7], max_tokens=500))
+        stream = await client.start_turn("r", *turn([5, 6, 7], max_tokens=500))
         async for _ in stream:
             break  # the turn runs
         info = await client.release_turn("r")
         assert info.turn_index == first.session.turn_index and info.num_tokens == first.session.num_tokens
         assert info.digest == first.session.digest and info.state != "active"
         # a new session whose first turn is released leaves nothing behind
-        stream = await client.start_turn("gone", turn(PROMPT, max_tokens=500, new=True))
+        stream = await client.start_turn("gone", *turn(PROMPT, max_tokens=500, new=True))
         async for _ in stream:
             break
         assert await client.release_turn("gone") is None
@@ -139,7 +137,7 @@ def test_another_thread_reads_the_counters_through_the_engine_thread(engine):
         await finish(client, "c", turn(PROMPT, new=True))
         stats = await asyncio.to_thread(client.stats_blocking)
         assert isinstance(stats, EngineStats) and stats.sessions_by_state == {"idle": 1}
-        assert stats.counters["pages_total"] == 4000 and stats.counters["running"] == 0
+        assert stats.pages_total == 4000 and stats.running == 0
         return client
 
     client = serve(engine, body)
@@ -164,7 +162,7 @@ def test_a_failing_step_reaches_the_turn_as_engine_failed(tiny_models):
 
         engine.step = step
         try:
-            stream = await client.start_turn("f", turn(PROMPT, max_tokens=500, new=True))
+            stream = await client.start_turn("f", *turn(PROMPT, max_tokens=500, new=True))
             async for _ in stream:
                 broke.set()
             raise AssertionError("the stream ended without the failure")

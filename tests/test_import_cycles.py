@@ -153,6 +153,42 @@ def test_the_layer_rule_catches_a_leaf_importing_the_front_door(tmp_path):
     assert layer_violations(import_graph(["engine"], tmp_path)) == ["engine.distributed.driver -> engine.llm"]
 
 
+SIDECAR_MAY_IMPORT = ("engine.api", "engine.config", "engine.tensor_parallel.launcher")
+"""The engine modules the sidecar may import: the front door (engine/api.py) and what builds an
+engine (its settings, and the tensor-parallel launcher that starts one per rank)."""
+
+
+def sidecar_imports_past_the_front_door(root: Path = ROOT) -> list[str]:
+    """``module -> engine module`` for every import of the sidecar's outside ``SIDECAR_MAY_IMPORT``."""
+    modules = {**module_files("engine", root), **module_files("sidecar", root)}
+    return sorted(
+        f"{module} -> {target}"
+        for module, path in module_files("sidecar", root).items()
+        for target in imports_of(module, path, modules)
+        if _under(target, "engine") and not any(_under(target, p) for p in SIDECAR_MAY_IMPORT)
+    )
+
+
+def test_the_sidecar_reaches_the_engine_only_through_its_front_door():
+    bad = sidecar_imports_past_the_front_door()
+    assert not bad, "sidecar imports past engine.api:\n" + "\n".join(bad)
+
+
+def test_the_front_door_rule_finds_a_stray_import(tmp_path):
+    """The rule can fail: a sidecar module importing an engine module other than the front door is
+    reported, one importing engine.api or engine.config is not."""
+    for pkg, files in {
+        "engine": ["__init__", "api", "config", "llm"],
+        "sidecar": ["__init__", "ok", "stray"],
+    }.items():
+        (tmp_path / pkg).mkdir()
+        for name in files:
+            (tmp_path / pkg / f"{name}.py").write_text("")
+    (tmp_path / "sidecar" / "ok.py").write_text("from engine.api import X\nfrom engine.config import C\n")
+    (tmp_path / "sidecar" / "stray.py").write_text("def f():\n    from engine import llm\n")
+    assert sidecar_imports_past_the_front_door(tmp_path) == ["sidecar.stray -> engine.llm"]
+
+
 def test_engine_never_imports_the_sidecar():
     imported = set()
     for module, path in module_files("engine").items():

@@ -223,12 +223,12 @@ def test_abort_rolls_back_quantized_pages(kivi2_r0):
     t0 = first_turn(eng, "Hello there.")
     out = run_turn(eng, "ab", t0, GREEDY)
     hist = t0 + out.token_ids
-    digest = eng.session_info("ab")["digest"]
+    digest = eng.session_info("ab").digest
     eng.add_turn("ab", next_turn(eng, "Count to fifty."), SamplingParams(max_tokens=40))
     for _ in range(3):
         eng.step()
     eng.abort("ab")  # truncates every head back to the history (a sealed page may reopen)
-    assert eng.session_info("ab")["digest"] == digest
+    assert eng.session_info("ab").digest == digest
     assert eng.manager.seq_lengths("ab").max() <= len(hist)
     nxt = next_turn(eng, "What is your name?")
     again = run_turn(eng, "ab", nxt, GREEDY)

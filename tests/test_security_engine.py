@@ -137,11 +137,11 @@ def test_a_failure_in_one_sequences_sampling_leaves_the_others_running(new_engin
     for sid in alone:
         assert outs[sid].finish_reason in ("stop", "length") and outs[sid].token_ids == alone[sid]
     # the failed turn was rolled back; the session (and the engine) go on
-    assert eng.session_info("s2")["turn_index"] == 0
+    assert eng.session_info("s2").turn_index == 0
     monkeypatch.setattr(sampling, "sample_row", real)
     again = run_turn(eng, "s2", prompts["s2"], SamplingParams(max_tokens=4, temperature=0.8, seed=7))
     assert again.finish_reason in ("stop", "length") and len(again.token_ids) >= 1
-    assert eng.stats()["pages_free"] >= 0 and eng.totals["finished_failed"] == 1
+    assert eng.stats().pages_free >= 0 and eng.totals["finished_failed"] == 1
 
 
 def test_a_failure_processing_one_sequences_token_fails_it_alone(new_engine, monkeypatch):
@@ -177,7 +177,7 @@ def test_a_failed_forward_pass_fails_its_requests_and_the_engine_steps_on(new_en
     expected_b = run_turn(ref, "b", long_prompt, greedy).token_ids
 
     eng = new_engine()
-    free_at_start = eng.stats()["pages_free"]
+    free_at_start = eng.stats().pages_free
     run_turn(eng, "a", first, greedy)
     real, calls = eng.loop.runner.execute, {"b": 0}
 
@@ -193,7 +193,7 @@ def test_a_failed_forward_pass_fails_its_requests_and_the_engine_steps_on(new_en
     assert outs["b"].finish_reason == "failed" and "injected" in outs["b"].error
     failed = [sid for sid, o in outs.items() if o.finish_reason == "failed"]
     assert eng.totals["finished_failed"] == len(failed) and eng.loop.failed_passes == 1
-    assert eng.session_info("a")["turn_index"] == (1 if "a" in failed else 2)
+    assert eng.session_info("a").turn_index == (1 if "a" in failed else 2)
     monkeypatch.setattr(eng.loop.runner, "execute", real)
     if "a" in failed:  # rolled back: the same turn again gives the reference's tokens
         assert run_turn(eng, "a", second, greedy).token_ids == expected
@@ -203,7 +203,7 @@ def test_a_failed_forward_pass_fails_its_requests_and_the_engine_steps_on(new_en
     assert eng.loop.failed_passes == 0
     for sid in ("a", "b"):
         eng.end_session(sid)
-    assert eng.stats()["pages_free"] == free_at_start
+    assert eng.stats().pages_free == free_at_start
 
 
 class EagerDecodeGraphs:
@@ -245,7 +245,7 @@ def test_a_failed_run_ahead_step_fails_its_requests_and_the_engine_steps_on(new_
 
     eng = new_engine()
     graphs = eng.loop.runner.graphs = EagerDecodeGraphs(eng.loop.runner)
-    free_at_start = eng.stats()["pages_free"]
+    free_at_start = eng.stats().pages_free
     assert run_turn(eng, "a", first, greedy, method=method).token_ids == expected_first  # run ahead, on the CPU
     assert graphs.replays >= 10
     state = {"launches": 0, "in_launch": False, "failed": 0}
@@ -280,7 +280,7 @@ def test_a_failed_run_ahead_step_fails_its_requests_and_the_engine_steps_on(new_
     assert state["failed"] == 1
     assert all(o.finish_reason == "failed" and "injected" in o.error for o in outs.values())
     assert eng.totals["finished_failed"] == 2 and eng.loop.failed_passes == 1 and eng.loop.inflight is None
-    assert eng.session_info("a")["turn_index"] == 1 and eng.session_info("b")["turn_index"] == 0
+    assert eng.session_info("a").turn_index == 1 and eng.session_info("b").turn_index == 0
     # rolled back: the same turns again give the reference's tokens, one step ahead again
     replays = graphs.replays
     retried = run_turn(eng, "a", second, greedy)
@@ -289,7 +289,7 @@ def test_a_failed_run_ahead_step_fails_its_requests_and_the_engine_steps_on(new_
     assert eng.loop.failed_passes == 0 and graphs.replays > replays
     for sid in ("a", "b"):
         eng.end_session(sid)
-    assert eng.stats()["pages_free"] == free_at_start
+    assert eng.stats().pages_free == free_at_start
 
 
 def test_forward_passes_that_keep_failing_stop_the_engine(new_engine, monkeypatch):

@@ -181,8 +181,8 @@ def test_compressed_sessions_whose_history_exceeds_the_pool_all_stay_resident(ti
                     assert out.finish_reason == "length"
     assert tiers[n_sessions:] == ["gpu"] * (len(tiers) - n_sessions)  # every later turn found its KV resident
     stats = eng.stats()
-    assert stats["demotions"] == 0 and stats["swaps"] == 0 and stats["preemptions"] == 0
-    assert all(eng.session_info(f"s{s}")["state"] == "idle" for s in range(n_sessions))
+    assert stats.demotions == 0 and stats.swaps == 0 and stats.preemptions == 0
+    assert all(eng.session_info(f"s{s}").state == "idle" for s in range(n_sessions))
 
 
 def test_a_preempted_session_is_swapped_out_and_finishes_as_if_alone(tiny_models):

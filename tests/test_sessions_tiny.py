@@ -51,9 +51,9 @@ def test_ending_a_session_mid_turn_aborts_it_and_frees_its_pages(tiny):
     eng.step()
     with pytest.raises(SessionBusy):
         eng.chains.end("a")  # the chain cache alone never aborts a running turn
-    aborted = eng.stats()["finished_abort"]
+    aborted = eng.stats().finished_abort
     eng.end_session("a")  # the engine aborts it first
-    assert eng.stats()["finished_abort"] == aborted + 1 and not eng.has_unfinished()
+    assert eng.stats().finished_abort == aborted + 1 and not eng.has_unfinished()
     assert eng.pool.num_free == free0 and "a" not in eng.chains.chains
     with pytest.raises(SessionNotFound):
         eng.session_info("a")

@@ -74,7 +74,7 @@ def test_gpu_turns_through_grpc_equal_direct_turns(tmp_path):
                     call.cancel()
                     break
             deadline = time.monotonic() + 30
-            while engine.stats()["running"] and time.monotonic() < deadline:
+            while engine.stats().running and time.monotonic() < deadline:
                 time.sleep(0.05)
             after = stub.GetSession(pb.GetSessionRequest(session_id="g"))
             assert after.digest == before.digest and after.turn_index == 3

@@ -20,6 +20,7 @@ import pytest
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
 from sidecar.errors import TURN_INDEX_CONFLICT_KEY
+from sidecar.turn_request import from_proto
 
 from tests.sidecar_proc import ALPHA, BETA, TOKENS, Sidecar, committed, request, run, serving, turn_events, wait_for
 
@@ -162,7 +163,7 @@ def test_cancel_and_deadline_stop_the_engine_and_roll_the_turn_back(local):
 
     def settled():
         s = stub.GetSession(pb.GetSessionRequest(session_id="cancel"), metadata=ALPHA)
-        return s if s.state != pb.SESSION_STATE_ACTIVE and eng.stats()["running"] == 0 else None
+        return s if s.state != pb.SESSION_STATE_ACTIVE and eng.stats().running == 0 else None
 
     call = stub.Turn(request("cancel", TURNS[1], max_tokens=300, ignore_eos=True), metadata=ALPHA)
     for n, _ in enumerate(call, 1):
@@ -231,9 +232,11 @@ def test_a_turn_that_arrives_before_the_cancel_of_the_running_one_waits_for_its_
         return [event async for event in turn][-1].completion
 
     async def next_turn_then_cancel(i: int) -> pb.TurnCompletion:
-        first = turns.run("alpha", request("late", TURNS[3], max_tokens=200, ignore_eos=True), None)
+        first = turns.run("alpha", from_proto(request("late", TURNS[3], max_tokens=200, ignore_eos=True)), None)
         await anext(first)  # the turn runs
-        nxt = asyncio.ensure_future(completion(turns.run("alpha", request("late", [("user", f"Say {i}.")]), None)))
+        nxt = asyncio.ensure_future(
+            completion(turns.run("alpha", from_proto(request("late", [("user", f"Say {i}.")])), None))
+        )
         for _ in range(i % 3 + 1):
             await asyncio.sleep(0)  # the next turn meets the session held
         await first.aclose()  # only now is the first one's caller seen gone

@@ -3,7 +3,8 @@
 ``ChainCache`` (cache.py) runs turns, forks, pruning and snapshots; ``ChainTiers`` (tiers.py)
 moves chains between the GPU, host RAM and the history alone; ``records.py`` holds the Chain
 record and its states; ``codec.py`` the session record a snapshot carries; ``hints.py`` the agent
-hints (priority, pin, release); ``errors.py`` the session errors.
+hints (priority, pin, release); ``errors.py`` the session errors; ``turn_spec.py`` what a turn
+asks for (``TurnSpec``) and ``info.py`` what the cache reports about a session (``SessionInfo``).
 """
 
 from engine.chain.cache import ChainCache
@@ -20,8 +21,10 @@ from engine.chain.errors import (
     TurnIndexMismatch,
 )
 from engine.chain.hints import MAX_PRIORITY, SessionHints
-from engine.chain.records import Chain, ChainState, TaggedSpan, Tier, history_digest
+from engine.chain.info import SessionInfo, SpanInfo
+from engine.chain.records import Chain, ChainState, PruneRecord, TaggedSpan, Tier, history_digest
 from engine.chain.tiers import ChainTiers
+from engine.chain.turn_spec import TurnSpec
 
 __all__ = [
     "KV_STATE_KEYS",
@@ -34,13 +37,17 @@ __all__ = [
     "InvalidHint",
     "MAX_PRIORITY",
     "PinLimit",
+    "PruneRecord",
     "SessionBusy",
     "SessionError",
     "SessionExists",
     "SessionHints",
+    "SessionInfo",
     "SessionNotFound",
+    "SpanInfo",
     "TaggedSpan",
     "Tier",
     "TurnIndexMismatch",
+    "TurnSpec",
     "history_digest",
 ]

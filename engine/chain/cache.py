@@ -21,12 +21,12 @@ drives it (start a turn, end a turn, end a session once its turn is aborted).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
-from typing import Any, Hashable
+from dataclasses import replace
+from typing import Hashable
 
 from engine.cache.manager import CacheManager
 from engine.cache.snapshot import SessionSnapshot
-from engine.chain.codec import decode_record, encode_record, spec_record
+from engine.chain.codec import decode_record, encode_record
 from engine.chain.errors import (
     ContextFull,
     HistoryMismatch,
@@ -36,9 +36,10 @@ from engine.chain.errors import (
     SessionNotFound,
     TurnIndexMismatch,
 )
-from engine.chain.hints import SessionHints
-from engine.chain.records import Chain, ChainState, TaggedSpan, Tier
+from engine.chain.info import SessionInfo, SpanInfo
+from engine.chain.records import Chain, ChainState, PruneRecord, TaggedSpan, Tier
 from engine.chain.tiers import ChainTiers
+from engine.chain.turn_spec import TurnSpec
 from engine.config import EngineConfig
 from engine.controller import SparseController
 from engine.lifecycle import MethodSpec, SeqInfo
@@ -96,21 +97,11 @@ class ChainCache:
         return self.tiers.host_bytes
 
     # --- turns -----------------------------------------------------------------------------------
-    def start_turn(
-        self,
-        session_id: Hashable,
-        tokens: list[int],
-        params: SamplingParams,
-        *,
-        role: str = "user",
-        spans: list[tuple[int, int, str]] | None = None,
-        method: MethodSpec | None = None,
-        expected_turn_index: int | None = None,
-        history: list[int] | None = None,
-        shared_prefix: int = 0,
-        prefix_scope: str = "",
-        hints: SessionHints | None = None,
-    ) -> Sequence:
+    def start_turn(self, session_id: Hashable, turn: TurnSpec) -> Sequence:
+        """The Sequence that runs ``turn`` on the session (created by its first turn); checked
+        before anything changes."""
+        tokens, params, method, hints = list(turn.tokens), turn.params, turn.method, turn.hints
+        expected_turn_index, history = turn.expected_turn_index, turn.history
         chain = self.chains.get(session_id)
         if chain is not None and chain.state is ChainState.ACTIVE:
             raise SessionBusy(f"a turn is already running on session {session_id!r}")
@@ -142,7 +133,7 @@ class ChainCache:
             self.controller.method_for(spec)  # a bad spec fails before anything changes
             seq = self.requests.new_sequence(session_id, tokens, params, spec)
             chain = Chain(session_id=session_id, seq=seq, spec=spec, queries=self._query_window(spec))
-            self._attach_prefix(chain, tokens, shared_prefix, prefix_scope)
+            self._attach_prefix(chain, tokens, turn.shared_prefix, turn.prefix_scope)
             seq.source_tier = Tier.NEW
             self.chains[session_id] = chain
         else:
@@ -158,7 +149,7 @@ class ChainCache:
             reused = chain.host.meta["num_cached"] if chain.state is ChainState.HOST else seq.num_cached
             seq.counters.reused_tokens = reused
         start = len(seq.token_ids) - len(tokens)
-        for a, b, r in spans or [(0, len(tokens), role)]:
+        for a, b, r in turn.spans or [(0, len(tokens), turn.role)]:
             if not (0 <= a < b <= len(tokens)):
                 raise SessionError(f"span ({a}, {b}) lies outside the turn's {len(tokens)} tokens")
             chain.spans.append(TaggedSpan(start + a, start + b, r, turn=chain.turn_index))
@@ -229,11 +220,11 @@ class ChainCache:
                 prune_span(
                     self.manager,
                     seq.seq_id,
-                    entry["start"],
-                    entry["end"],
-                    entry["policy"],
-                    entry["keep_ratio"],
-                    entry["scope"],
+                    entry.start,
+                    entry.end,
+                    entry.policy,
+                    entry.keep_ratio,
+                    entry.scope,
                     chain.queries,
                     seq.protected_len,
                 )
@@ -309,18 +300,7 @@ class ChainCache:
         for s in chain.spans:
             if s.start >= start and s.end <= end:
                 s.pruned = True
-        chain.prune_log.append(
-            {
-                "turn": chain.turn_index,
-                "start": start,
-                "end": end,
-                "policy": policy,
-                "keep_ratio": keep_ratio,
-                "scope": scope,
-                "reason": reason,
-                "removed": removed,
-            }
-        )
+        chain.prune_log.append(PruneRecord(chain.turn_index, start, end, policy, keep_ratio, scope, reason, removed))
         chain.pruned_tokens += removed
         chain.generation += 1
         return removed
@@ -381,33 +361,29 @@ class ChainCache:
         self.tiers.clear_host(chain)
         del self.chains[session_id]
 
-    def info(self, session_id: Hashable) -> dict[str, Any]:
+    def info(self, session_id: Hashable) -> SessionInfo:
         chain = self._get(session_id)
         mgr = self.manager
         on_gpu = mgr.has(session_id)
-        return {
-            "session_id": session_id,
-            "state": chain.state.value,
-            "turn_index": chain.turn_index,
-            "generation": chain.generation,
-            "num_tokens": len(chain.history),
-            "cached_tokens": chain.seq.num_cached,  # history tokens fed through the model (the last reply token is not yet)
-            "digest": chain.digest,
-            "method": chain.spec.method,
-            "spec": {**spec_record(chain.spec), "method_args": dict(chain.spec.method_args)},
-            "kv_tokens": int(mgr.seq_lengths(session_id).sum()) if on_gpu else 0,
-            "kv_pages": mgr.num_pages(session_id) if on_gpu else 0,
-            "cold_tokens": self.controller.recall.cold_tokens(session_id) if on_gpu else 0,
-            "recall_traffic": asdict(self.controller.recall.turn_report(session_id)),  # the last turn's copies
-            "pruned_tokens": chain.pruned_tokens,
-            "prune_log": list(chain.prune_log),
-            "shared_prefix_tokens": chain.seq.protected_len,
-            "spans": [
-                {"start": s.start, "end": s.end, "role": s.role, "turn": s.turn, "pruned": s.pruned}
-                for s in chain.spans
-            ],
-            "last_token": chain.history[-1] if chain.history else None,
-        }
+        return SessionInfo(
+            session_id=session_id,
+            state=chain.state.value,
+            turn_index=chain.turn_index,
+            generation=chain.generation,
+            num_tokens=len(chain.history),
+            cached_tokens=chain.seq.num_cached,
+            digest=chain.digest,
+            spec=chain.spec.copy(),
+            kv_tokens=int(mgr.seq_lengths(session_id).sum()) if on_gpu else 0,
+            kv_pages=mgr.num_pages(session_id) if on_gpu else 0,
+            cold_tokens=self.controller.recall.cold_tokens(session_id) if on_gpu else 0,
+            recall=replace(self.controller.recall.turn_report(session_id)),  # a copy: the last turn's copies
+            pruned_tokens=chain.pruned_tokens,
+            prune_log=tuple(chain.prune_log),
+            shared_prefix_tokens=chain.seq.protected_len,
+            spans=tuple(SpanInfo(s.start, s.end, s.role, s.turn, s.pruned) for s in chain.spans),
+            last_token=chain.history[-1] if chain.history else None,
+        )
 
     # --- snapshots for the session store ------------------------------------------------------------
     def snapshot(self, session_id: Hashable, with_kv: bool = True) -> SessionSnapshot:

@@ -7,28 +7,20 @@ The KV state that travels with the KV itself (``KV_STATE_KEYS``) is written by C
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Hashable
 
 import numpy as np
 
 from engine.cache.snapshot import SessionSnapshot
 from engine.chain.errors import SessionError
-from engine.chain.records import Chain, TaggedSpan, history_digest
+from engine.chain.records import Chain, PruneRecord, TaggedSpan, history_digest
 from engine.lifecycle import MethodSpec
 
 KV_STATE_KEYS = ("method_state", "num_cached", "query_count")
 """Snapshot metadata that describes the KV itself and travels with it; the rest of a snapshot's
 metadata is the session record (history, spans, method, ...), enough to rebuild the KV."""
-
-
-def spec_record(spec: MethodSpec) -> dict[str, Any]:
-    return {
-        "method": spec.method,
-        "budget": spec.budget,
-        "budget_ratio": spec.budget_ratio,
-        "method_args": spec.method_args,
-    }
 
 
 def encode_record(snap: SessionSnapshot, chain: Chain, fingerprint: str) -> SessionSnapshot:
@@ -41,8 +33,8 @@ def encode_record(snap: SessionSnapshot, chain: Chain, fingerprint: str) -> Sess
             "tokens": np.asarray(chain.history, dtype="<u4").tobytes(),
             "digest": chain.digest,
             "spans": [[s.start, s.end, s.role, s.turn, s.pruned] for s in chain.spans],
-            "prune_log": chain.prune_log,
-            "method": spec_record(chain.spec),
+            "prune_log": [dataclasses.asdict(r) for r in chain.prune_log],
+            "method": chain.spec.to_record(),
             "protected_len": chain.seq.protected_len,
             "pruned_tokens": chain.pruned_tokens,
             "fingerprint": fingerprint,
@@ -61,7 +53,7 @@ class SessionRecord:
     turn_index: int
     generation: int
     spans: list[TaggedSpan]
-    prune_log: list[dict[str, Any]]
+    prune_log: list[PruneRecord]
     pruned_tokens: int
     protected_len: int
     fingerprint: str | None
@@ -73,15 +65,14 @@ def decode_record(snap: SessionSnapshot) -> SessionRecord:
     tokens = np.frombuffer(meta["tokens"], dtype="<u4").astype(np.int64).tolist()
     if history_digest(tokens) != meta["digest"]:
         raise SessionError(f"session {sid!r}: the snapshot's history does not match its digest")
-    m = meta["method"]
     return SessionRecord(
         session_id=sid,
         tokens=tokens,
-        spec=MethodSpec(m["method"], m["budget"], m["budget_ratio"], dict(m["method_args"])),
+        spec=MethodSpec.from_record(meta["method"]),
         turn_index=meta["turn_index"],
         generation=meta["generation"],
         spans=[TaggedSpan(a, b, r, turn=t, pruned=p) for a, b, r, t, p in meta["spans"]],
-        prune_log=list(meta["prune_log"]),
+        prune_log=[PruneRecord.from_record(e) for e in meta["prune_log"]],
         pruned_tokens=meta.get("pruned_tokens", 0),
         protected_len=meta.get("protected_len", 0),
         fingerprint=meta.get("fingerprint"),

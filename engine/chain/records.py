@@ -39,6 +39,40 @@ class TaggedSpan(Span):
     pruned: bool = False
 
 
+@dataclass(frozen=True)
+class PruneRecord:
+    """One pruning of a session's history KV (a prune call, or the automatic lag / trigger rule)."""
+
+    turn: int
+    start: int
+    end: int
+    policy: str
+    keep_ratio: float
+    scope: str
+    reason: str
+    removed: int
+    """KV entries removed, summed over layers and kv-heads."""
+
+    @classmethod
+    def from_record(cls, e: dict[str, Any]) -> "PruneRecord":
+        """A record as a snapshot's prune log stores it (a store record's missing fields read as empty)."""
+        return cls(
+            turn=int(e.get("turn", 0)),
+            start=int(e["start"]),
+            end=int(e["end"]),
+            policy=e.get("policy") or "",
+            keep_ratio=float(e.get("keep_ratio") or 0.0),
+            scope=e.get("scope") or "",
+            reason=e.get("reason") or "",
+            removed=int(e.get("removed", 0)),
+        )
+
+    @property
+    def tokens(self) -> int:
+        """History tokens the pruning covered."""
+        return self.end - self.start
+
+
 @dataclass
 class Chain:
     session_id: Hashable
@@ -48,7 +82,7 @@ class Chain:
     generation: int = 0
     state: ChainState = ChainState.IDLE
     spans: list[TaggedSpan] = field(default_factory=list)
-    prune_log: list[dict[str, Any]] = field(default_factory=list)
+    prune_log: list[PruneRecord] = field(default_factory=list)
     host: SessionSnapshot | None = None
     """The KV and method state in host RAM (state HOST), or a loaded store snapshot."""
     host_source: Tier = Tier.HOST

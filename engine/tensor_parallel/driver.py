@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 REPLICATED = (
     "add_request",
     "add_turn",
+    "submit_turn",
     "abort",
     "end_session",
     "fork_session",

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, AsyncIterator, Mapping
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.http.errors import invalid
 from sidecar.engine_client import PruneSpec
-from sidecar.engine_results import PruneResult, SessionInfo
+from engine.api import SessionInfo
+from sidecar.engine_results import PruneResult
 from sidecar.server import Draining
 from sidecar.session_prune import prune_session
 from sidecar.session_ids import scoped_key
@@ -85,7 +86,7 @@ class SessionBackend:
         try:
             s = await self.server.sessions.get(key, create=False)
         except Exception as e:  # noqa: BLE001 - only "not found" means None; the rest is the caller's error
-            from engine.chain import SessionNotFound
+            from engine.api import SessionNotFound
 
             if isinstance(e, SessionNotFound):
                 return None
@@ -95,7 +96,7 @@ class SessionBackend:
     async def find_newer(self, key: str, at_least: int) -> Session | None:
         """The store's copy of the session when it is at ``at_least`` turns or more, that is ahead of this
         replica's (another replica ran the later turns); None when the store has nothing that far."""
-        from engine.chain import SessionError
+        from engine.api import SessionError
         from sidecar.store_errors import StoreError
 
         if not self.server.sessions.has_store:
@@ -114,7 +115,7 @@ class SessionBackend:
         return key in self.server.sessions.ended
 
     async def end(self, key: str, keep_snapshot: bool = False) -> None:
-        from engine.chain import SessionNotFound
+        from engine.api import SessionNotFound
 
         try:
             await self.server.sessions.end(key, keep_snapshot)

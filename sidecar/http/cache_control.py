@@ -30,9 +30,8 @@ import dataclasses
 import math
 from typing import Any
 
-from engine.chain import SessionNotFound
+from engine.api import PruneRecord, SessionInfo, SessionNotFound
 from sidecar.engine_client import PruneSpec
-from sidecar.engine_results import PruneRecord, SessionInfo
 from sidecar.http import cache_requests as cr
 from sidecar.http import requests as rq
 from sidecar.http.backend import SessionBackend
@@ -207,7 +206,6 @@ def _match(sid: str | None, k: int, n: int, tokens: int, kv: int, tier: str | No
 
 
 def _describe(sid: str, info: SessionInfo, priority: int, kept: tuple[float, ...] | None) -> dict[str, Any]:
-    spec = info.spec
     spans = [
         {
             "start": sp.start,
@@ -230,7 +228,7 @@ def _describe(sid: str, info: SessionInfo, priority: int, kept: tuple[float, ...
         "kv_tokens": info.kv_tokens,
         "pruned_kv_tokens": info.pruned_tokens,
         "shared_prefix_tokens": info.shared_prefix_tokens,
-        "method": dataclasses.asdict(spec) if spec is not None else {"method": info.method},
+        "method": info.spec.to_record(),
         "eviction_priority": priority,
         "kept_tokens_source": "gpu" if kept is not None else "prune_log",
         "spans": spans,
@@ -240,7 +238,7 @@ def _describe(sid: str, info: SessionInfo, priority: int, kept: tuple[float, ...
 
 def _describe_stored(sid: str, stored: StoredSession) -> dict[str, Any]:
     rec = stored.record
-    log = tuple(PruneRecord.from_engine(e) for e in rec.get("prune_log", []))
+    log = tuple(PruneRecord.from_record(e) for e in rec.get("prune_log", []))
     spans = [
         {"start": a, "end": b, "role": r, "turn": t, "pruned": p, "kept_tokens": _kept_by_log(a, b, log)}
         for a, b, r, t, p in rec.get("spans", [])

@@ -29,7 +29,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from engine.chain import SessionBusy, SessionNotFound, TurnIndexMismatch
+from engine.api import SessionBusy, SessionNotFound, TurnIndexMismatch
 from sidecar.http.backend import SessionBackend
 from sidecar.http.conversations import transcript_digest
 from sidecar.http.errors import OpenAIError, invalid

@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator
 
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from engine.chain import SessionBusy, SessionNotFound, TurnIndexMismatch
+from engine.api import SessionBusy, SessionNotFound, TurnIndexMismatch
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.chat import tool_from_json, tools_digest
 from sidecar.http import chain_protocol
@@ -41,7 +41,7 @@ from sidecar.http.conversations import (
 from sidecar.http.errors import from_exception, invalid
 from sidecar.session_ids import SessionKey
 from sidecar.turn_request import Message, ToolCall, TurnRequest
-from sidecar.protocol import InvalidRequest, message_dict
+from sidecar.protocol import InvalidRequest, message_dict, request_method_fields
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_TOOL_CALLS: "tool_calls"}
 MAX_MESSAGES = 4096
@@ -94,14 +94,7 @@ def transcript_digests(tenant: str, messages: list[Message], base: TurnRequest) 
         tdigest = tools_digest([tool_from_json(t.name, t.description, t.parameters_json) for t in base.tools])
     except (InvalidRequest, ValueError) as e:
         raise invalid(str(e)) from None
-    method = json.dumps(
-        [
-            base.method,
-            base.budget,
-            base.budget_ratio,
-            sorted(base.method_args.items()),
-        ]
-    )
+    method = json.dumps([sorted(v.items()) if isinstance(v, dict) else v for v in request_method_fields(base).values()])
     return dicts, prefix_digests(seed_digest(tenant, tdigest, method), dicts)
 
 

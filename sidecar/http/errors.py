@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.llm import CapacityError
+from engine.api import CapacityError
 from sidecar.limits import QuotaExceeded
 
 _HTTP = {

@@ -15,7 +15,7 @@ import json
 import math
 from typing import Any
 
-from engine.chain import MAX_PRIORITY
+from engine.api import MAX_PRIORITY, MethodSpec
 from sidecar.http.errors import OpenAIError, invalid
 from sidecar.structured import OutputSpecError, schema_text
 from sidecar.turn_request import AgentHints, SessionControl, Tool, TurnRequest
@@ -125,7 +125,7 @@ def set_extension(req: TurnRequest, body: dict) -> None:
         return
     if not isinstance(ext, dict):
         raise invalid('chainkv must be an object like {"method": "snapkv", "budget": 1024}', "chainkv")
-    unknown = set(ext) - {"method", "budget", "budget_ratio", "method_args"}
+    unknown = set(ext) - set(MethodSpec.field_names())
     if unknown:
         raise invalid(f"unknown chainkv field(s): {', '.join(sorted(map(str, unknown)))}", "chainkv")
     method = ext.get("method", "")

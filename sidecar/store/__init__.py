@@ -59,7 +59,7 @@ __all__ = [
 
 
 def default_store_dir() -> Path:
-    from engine.model.loader import cache_root
+    from engine.api import cache_root
 
     return cache_root() / "sessions"
 

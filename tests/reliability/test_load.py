@@ -103,8 +103,8 @@ def test_concurrent_sessions_on_a_small_pool(tmp_path, reliability_report):
         agree = sum(len(v) == 1 for v in by_variant.values())
         for i in range(SESSIONS):
             stub.EndSession(pb.EndSessionRequest(session_id=f"load-{i}"))
-        pages_free_after = engine.stats()["pages_free"]
-        assert engine.stats()["sessions"] == 0
+        pages_free_after = engine.stats().pages_free
+        assert engine.stats().sessions == 0
         reliability_report["load"] = {
             "sessions": SESSIONS,
             "turns_per_session": TURNS,
@@ -117,8 +117,8 @@ def test_concurrent_sessions_on_a_small_pool(tmp_path, reliability_report):
             "errors": len(errors),
             "sessions_lost": lost,
             "wall_s": round(wall, 2),
-            "preemptions": stats["preemptions"],
-            "demotions": stats["demotions"],
+            "preemptions": stats.preemptions,
+            "demotions": stats.demotions,
             "turn_tiers_after_first": tiers,
             "variants_with_identical_replies": f"{agree}/{len(by_variant)}",
             "pages_free_after_end": pages_free_after,
