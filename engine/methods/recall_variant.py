@@ -2,15 +2,15 @@
 
 Rule: the base method runs unchanged on ``1 - recall_reserve`` of the budget, the device working
 set stays within the whole budget (pages are freed as before), and every token it evicts moves to
-the session's cold tier on the host
-(engine/cache/cold_store.py) with Quest-style key bounds per block of ``page_size`` cold tokens
-kept on the device. Once a turn's input is prefilled (and the method has compressed it), the
-turn's last queries score every cold block; the ``recall_pages`` best blocks per kv-head are
-fetched and ranked with the hot tokens by their exact attention logits, max-pooled over
+the session's cold tier on the host (engine/cache/cold_store.py) with Quest-style key bounds per
+block of ``page_size`` cold tokens kept on the device. Once a turn's input is prefilled (and the
+method has compressed it), the turn's last queries score every cold block; the ``recall_pages``
+best blocks per kv-head are fetched and ranked by their exact attention logits, max-pooled over
 ``recall_pool`` neighbouring positions (a copied record's later tokens rank with the key the
 query attends to), and the best fill the head up to its budget without displacing what it holds
-(the others go back to the cold tier; with ``recall_reserve=0`` they compete with the held tokens). The turn's last input token is then run again so its reply's
-first token reads the recalled KV. With ``recall_interval`` set, decode steps recall the same
+(the others go back to the cold tier; with ``recall_reserve=0`` they compete with the held
+tokens). The turn's last input token is then run again so its reply's first token reads the
+recalled KV. With ``recall_interval`` set, decode steps recall the same
 way every that many tokens. Snapshots carry the cold tier, so a session resumes whole elsewhere.
 
 References: ArkVale (Chen et al., NeurIPS 2024: page digests of evicted KV recalled when they
