@@ -135,7 +135,7 @@ class SparseController:
         the budget, or swaps within what it holds when it holds more). ``at_input``: the queries are
         a turn's input (with ``recall_scope="earlier"``, what this turn evicted is not a candidate)."""
         method = self._method_of[seq_id]
-        cap = min(num_tokens, method.recall_budget(num_tokens) or 0)
+        cap = min(num_tokens, method.device_budget(num_tokens) or 0)
         return self.recall.recall(seq_id, queries, cap, self._protected.get(seq_id, 0), at_input)
 
     # --- prefill ----------------------------------------------------------------------------------

@@ -320,11 +320,16 @@ class SparseMethod:
             return max(1, math.ceil(self.spec.budget_ratio * num_tokens))
         return None
 
+    def device_budget(self, num_tokens: int) -> int | None:
+        """Tokens per head the device may hold for a context of ``num_tokens`` (None: no limit): the
+        budget of a method that ``holds_budget`` (a recall variant's includes its recall reserve)."""
+        return self.budget_for(num_tokens) if self.holds_budget else None
+
     def kept_tokens(self, num_tokens: int) -> int:
         """Tokens per head this method holds, at most, once a context of ``num_tokens`` is compressed:
-        the budget plus ``kept_slack()`` for a method that ``holds_budget``, else every token.
+        the device budget plus ``kept_slack()`` for a method that ``holds_budget``, else every token.
         (Per-layer or per-head budgets, pyramidkv and adakv, average to the budget.)"""
-        budget = self.budget_for(num_tokens) if self.holds_budget else None
+        budget = self.device_budget(num_tokens)
         return num_tokens if budget is None else min(num_tokens, budget + self.kept_slack())
 
     def kept_slack(self) -> int:

@@ -120,13 +120,9 @@ def recall_variant(base: type[SparseMethod]) -> type[SparseMethod]:
         full = base.budget_for(self, num_tokens)
         return None if full is None else max(1, full - int(full * self.recall_params.recall_reserve))
 
-    def recall_budget(self, num_tokens: int) -> int | None:
+    def device_budget(self, num_tokens: int) -> int | None:
         """The head's whole device budget, the recall's reserve included."""
         return base.budget_for(self, num_tokens)
-
-    def kept_tokens(self, num_tokens: int) -> int:
-        full = base.budget_for(self, num_tokens)
-        return num_tokens if full is None else min(num_tokens, full + self.kept_slack())
 
     def __init__(self, spec, shape):
         self.recall_params = RecallParams()  # the base's constructor may ask for a budget
@@ -148,8 +144,7 @@ def recall_variant(base: type[SparseMethod]) -> type[SparseMethod]:
             "__module__": base.__module__,
             "recall_settings": lambda self: self.recall_params,
             "budget_for": budget_for,
-            "recall_budget": recall_budget,
-            "kept_tokens": kept_tokens,
+            "device_budget": device_budget,
         },
     )
     _VARIANTS[base] = variant
