@@ -262,7 +262,7 @@ class RecallTier:
         pos = torch.cat([hot_pos, cand.pos.to(hot_pos.device, hot_pos.dtype)], 2)
         T = hot_pos.shape[2]
         valid = pos >= 0
-        logit = _pooled((q @ k.float().transpose(-1, -2)).amax(-2), pos, valid, settings.recall_pool)  # [L, H, T + C]
+        logit = _pooled(_score(q, k, valid, settings.recall_score), pos, valid, settings.recall_pool)  # [L, H, T + C]
         idx = torch.arange(k.shape[2], device=k.device)
         len_d = to_device(length, k.device)
         keep_recent = min(settings.recall_window, max(cap, 2) // 2)  # at most half the budget is pinned
@@ -352,6 +352,18 @@ class RecallTier:
             return
         store = self._store(seq_id)
         store.load(mine)
+
+
+def _score(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, rule: str) -> torch.Tensor:
+    """Each token's score ``[L, H, N]`` under the queries ``q`` ``[L, H, Q, D]`` (a head's group, every
+    window position): ``logit``, the best exact logit ``max q . k``; ``mass``, the attention weight the
+    queries give it, summed over them (a softmax over the head's valid tokens, as SnapKV weighs a
+    window: a query whose attention is diffuse lends little)."""
+    logits = q @ k.float().transpose(-1, -2)  # [L, H, Q, N]
+    if rule == "logit":
+        return logits.amax(-2)
+    logits = (logits * q.shape[-1] ** -0.5).masked_fill(~valid[:, :, None, :], float("-inf"))
+    return logits.softmax(-1).nan_to_num(0.0).sum(-2)
 
 
 def _pooled(logit: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, width: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ from engine.cache.cold_store import ColdStore
 from engine.lifecycle import MethodError, MethodSpec
 from engine.methods import get_method_class
 from engine.sampling import SamplingParams
-from engine.recall import _pooled
+from engine.recall import _pooled, _score
 
 from tests.conftest import make_engine, run_turn
 
@@ -329,6 +329,8 @@ def test_host_memory_bound_holds_and_drops_what_does_not_fit(tiny_path):
         ("snapkv+recall", {"recall_pool": 0}, "recall_pool"),
         ("snapkv+recall", {"recall_pool": 65}, "recall_pool"),
         ("snapkv+recall", {"recall_scope": "later"}, "recall_scope"),
+        ("snapkv+recall", {"recall_score": "max"}, "recall_score"),
+        ("snapkv+recall", {"recall_score": None}, "recall_score"),
         ("snapkv+recall", {"recall_reserve": 1.0}, "recall_reserve"),
         ("snapkv+recall", {"recall_reserve": float("nan")}, "recall_reserve"),
         ("snapkv+recall", {"recall_reserve": -0.1}, "recall_reserve"),
@@ -352,3 +354,17 @@ def test_budget_out_of_range_is_refused():
     with pytest.raises(MethodError):
         MethodSpec("snapkv+recall", budget_ratio=float("nan"))
     assert get_method_class("snapkv+recall").name == "snapkv+recall"
+
+
+def test_recall_score_mass_weighs_each_query_by_its_own_softmax():
+    """``_score``: ``logit`` ranks by the best raw logit; ``mass`` by the attention weight summed over
+    the queries, so a token that is one query's whole focus outranks one that only shares a larger
+    but diffuse query's attention; an invalid slot takes no weight and scores 0."""
+    q = torch.tensor([[[[10.0], [-10.0]]]])  # [L=1, H=1, Q=2, D=1]
+    k = torch.tensor([[[[1.0], [0.9], [0.0], [5.0]]]])  # [1, 1, N=4, 1]; the last slot is empty
+    valid = torch.tensor([[[True, True, True, False]]])
+    assert _score(q, k, valid, "logit")[0, 0, :3].tolist() == [10.0, 9.0, 0.0]
+    mass = _score(q, k, valid, "mass")[0, 0]
+    expect = torch.tensor([[10.0, 9.0, 0.0], [-10.0, -9.0, 0.0]]).softmax(-1).sum(0)
+    assert torch.allclose(mass[:3], expect) and mass[3] == 0
+    assert mass[2] > mass[0] > mass[1]  # the second query's sole focus ranks first

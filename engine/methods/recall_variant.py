@@ -27,6 +27,9 @@ Parameters (besides the base method's):
     recall_pool = 9           a token ranks by the best exact logit within ``recall_pool`` positions of
                               it (a max-pooling in position order, centred; 1: its own): a record's
                               later tokens come back with the key the query attends to (odd, <= 63)
+    recall_score = "logit"    what ranks a token: ``logit``, its best exact logit over the queries; ``mass``,
+                              the attention weight the queries give it, summed (softmax over what the
+                              head holds and the fetched candidates, as SnapKV weighs its window)
     recall_scope = "all"      which cold blocks a turn's input may recall: ``all``, or ``earlier`` (only
                               what earlier turns evicted: the method's choice for this turn stands,
                               so a variant's first turn is its base method's, token for token)
@@ -52,6 +55,7 @@ from engine.lifecycle import MethodError, SparseMethod
 SUFFIX = "+recall"
 COLD_FORMATS = ("plain", "fp8")
 RECALL_SCOPES = ("all", "earlier")
+RECALL_SCORES = ("logit", "mass")
 
 
 @dataclass
@@ -59,6 +63,7 @@ class RecallParams:
     recall_pages: int = 0
     recall_window: int = 32
     recall_pool: int = 9
+    recall_score: str = "logit"
     recall_scope: str = "all"
     recall_reserve: float = 0.25
     recall_interval: int | None = None
@@ -82,6 +87,8 @@ class RecallParams:
         r = self.recall_reserve
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
             raise bad(f"recall_reserve must be a share of the budget in [0, 1), not {r!r}")
+        if self.recall_score not in RECALL_SCORES:
+            raise bad(f"recall_score must be one of {', '.join(RECALL_SCORES)}, not {self.recall_score!r}")
         if self.recall_scope not in RECALL_SCOPES:
             raise bad(f"recall_scope must be one of {', '.join(RECALL_SCOPES)}, not {self.recall_scope!r}")
         i = self.recall_interval
