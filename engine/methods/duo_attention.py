@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 from engine.distributed import group
-from engine.lifecycle import DecodeBatch, MethodError, PrefillChunk, SparseMethod, recent_and_sink
+from engine.lifecycle import DecodeBatch, PrefillChunk, SparseMethod, recent_and_sink
+from engine.method_spec import MethodError
 from engine.methods.registry import register
 
 PATTERN_DIR = Path(__file__).parent / "patterns"

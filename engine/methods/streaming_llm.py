@@ -31,7 +31,8 @@ import torch
 
 from engine.cache.compaction import COMPACTION_CHUNK_BYTES
 from engine.cache.transfer import to_device
-from engine.lifecycle import KeepMask, MethodError, PrefillChunk, SparseMethod, recent_and_sink
+from engine.lifecycle import KeepMask, PrefillChunk, SparseMethod, recent_and_sink
+from engine.method_spec import MethodError
 from engine.methods.registry import register
 
 
