@@ -379,11 +379,3 @@ class SparseMethod:
 
     def release(self, seq_id: SeqId) -> None:
         pass
-
-
-def recent_and_sink(length: int, n_sink: int, budget: int) -> torch.Tensor:
-    """Physical indices of the first ``n_sink`` and the most recent ``budget - n_sink`` tokens."""
-    if length <= budget:
-        return torch.arange(length)
-    n_sink = min(n_sink, budget)
-    return torch.cat([torch.arange(n_sink), torch.arange(length - (budget - n_sink), length)])
