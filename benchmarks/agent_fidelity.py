@@ -48,7 +48,7 @@ from benchmarks.fidelity_measures import (  # noqa: E402
     run_forced,
 )
 from engine.config import EngineConfig  # noqa: E402
-from engine.lifecycle import MethodSpec  # noqa: E402
+from engine.method_spec import MethodSpec  # noqa: E402
 from engine.llm import LLMEngine  # noqa: E402
 from engine.methods.recall_variant import SUFFIX  # noqa: E402
 

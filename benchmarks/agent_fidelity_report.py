@@ -6,11 +6,7 @@ dense against the budget, one line per method with and without recall) is writte
 
 from __future__ import annotations
 
-from benchmarks.report_format import RESULTS, line_chart_svg, table
-
-
-def _pct(x) -> str | None:
-    return None if x is None else f"{100 * x:.0f}%"
+from benchmarks.report_format import RESULTS, line_chart_svg, percent, table
 
 
 def section(d: dict, stem: str) -> str:
@@ -28,7 +24,7 @@ def section(d: dict, stem: str) -> str:
         "holds at the reply's first step on the device / on the device or recallable from the cold tier; EM: "
         "the answer in the free-running reply (known up to the first disagreement); KV / cold: KV entries on the "
         f"device / in the cold tier at the end over the history's. Dense's own exact match: "
-        f"{_pct(d['dense_exact_match'])}; {dense_positions} reply positions.",
+        f"{percent(d['dense_exact_match'])}; {dense_positions} reply positions.",
     ]
     dense = [s for s in d["summary"] if s["method"] == "dense"]
     cols = [
@@ -44,14 +40,14 @@ def section(d: dict, stem: str) -> str:
     fmt = lambda s: dict(  # noqa: E731
         s,
         recall="yes" if s["recall"] else "no",
-        exact_match=_pct(s["exact_match"]),
-        kv_fraction=_pct(s["kv_fraction"]),
-        cold_fraction=_pct(s["cold_fraction"]),
+        exact_match=percent(s["exact_match"]),
+        kv_fraction=percent(s["kv_fraction"]),
+        cold_fraction=percent(s["cold_fraction"]),
     )
     for b in d["budgets"]:
         rows = [s for s in d["summary"] if s["budget"] == b]
         if rows:
-            parts.append(f"Budget {_pct(b)}:")
+            parts.append(f"Budget {percent(b)}:")
             parts.append(table([fmt(s) for s in dense + rows], cols))
     if d.get("skipped"):
         parts.append("Failed: " + "; ".join(f"`{x['config']}` ({x['error'][:120]})" for x in d["skipped"]))
@@ -73,7 +69,7 @@ def section(d: dict, stem: str) -> str:
                 f"Agreement with dense by budget ({where})",
                 "budget (fraction of the context kept)",
                 "agreement",
-                xticks=[_pct(b) for b in budgets],
+                xticks=[percent(b) for b in budgets],
             )
         )
         parts.append(f"![agreement with dense by budget](../benchmarks/results/{name})")

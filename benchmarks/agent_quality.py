@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.agent_sessions import encode_sample, run_chain, run_once, run_reprefill  # noqa: E402
 from benchmarks.agent_tasks import FAMILIES, SIZES, make_samples  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.lifecycle import MethodSpec  # noqa: E402
+from engine.method_spec import MethodSpec  # noqa: E402
 from engine.llm import LLMEngine  # noqa: E402
 
 EVICTION = (

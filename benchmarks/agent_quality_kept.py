@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.agent_sessions import _drain, _params, encode_sample  # noqa: E402
 from benchmarks.agent_tasks import FAMILIES, SIZES, Size, is_correct, make_samples  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.lifecycle import MethodSpec  # noqa: E402
+from engine.method_spec import MethodSpec  # noqa: E402
 from engine.llm import LLMEngine  # noqa: E402
 
 

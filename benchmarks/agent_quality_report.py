@@ -6,7 +6,7 @@ against turn distance, one line per method, one chart per budget) is written nex
 
 from __future__ import annotations
 
-from benchmarks.report_format import RESULTS, line_chart_svg, table
+from benchmarks.report_format import RESULTS, line_chart_svg, percent, table
 
 
 def _budget(b) -> str:
@@ -15,14 +15,10 @@ def _budget(b) -> str:
     return f"{b * 100:g}%" if isinstance(b, float) else f"{b} tok"
 
 
-def _pct(x) -> str | None:
-    return None if x is None else f"{100 * x:.0f}%"
-
-
 def section(d: dict, stem: str) -> str:
     where = d.get("device", "?")
     fams = [f for f in ("needle", "state", "shared") if any(r["family"] == f for r in d["rows"])]
-    cal = [dict(c, accuracy=_pct(c["accuracy"]), kept="yes" if c["kept"] else "dropped") for c in d["calibration"]]
+    cal = [dict(c, accuracy=percent(c["accuracy"]), kept="yes" if c["kept"] else "dropped") for c in d["calibration"]]
     parts = [
         f"## Agent quality over turns ({'GPU' if 'gpu' in stem else 'CPU'})"
         + ("" if stem in ("agent_quality_cpu", "agent_quality_gpu") else f": {stem}"),
@@ -35,7 +31,7 @@ def section(d: dict, stem: str) -> str:
         "/once compresses the transcript once before each question (kvpress-style). agree = answers equal to "
         "dense re-prefill's; KV = KV entries kept at the end / the history's."
         % (d["seed"], round(100 * d["prune_keep_ratio"])),
-        "Calibration (dense re-prefill; sizes under %s dropped):" % _pct(d["calibrate"]),
+        "Calibration (dense re-prefill; sizes under %s dropped):" % percent(d["calibrate"]),
         table(
             cal,
             [
@@ -48,7 +44,11 @@ def section(d: dict, stem: str) -> str:
         ),
     ]
     rows = [
-        dict(s, budget=_budget(s["budget"]), **{f: _pct(s.get(f)) for f in fams + ["mean", "agreement", "kv_fraction"]})
+        dict(
+            s,
+            budget=_budget(s["budget"]),
+            **{f: percent(s.get(f)) for f in fams + ["mean", "agreement", "kv_fraction"]},
+        )
         for s in d["summary"]
     ]
     cols = (
@@ -62,8 +62,10 @@ def section(d: dict, stem: str) -> str:
             "Recommended default per budget (best mean accuracy on the chain among the configurations "
             "that held their budget; ties to the smaller KV), and the best per family: "
             + "; ".join(
-                f"{_budget(float(b) if '.' in b else b)}: `{r['config']}` ({_pct(r['mean'])}"
-                + "".join(f", {fam} `{x['config']}` {_pct(x['accuracy'])}" for fam, x in r.get("by_family", {}).items())
+                f"{_budget(float(b) if '.' in b else b)}: `{r['config']}` ({percent(r['mean'])}"
+                + "".join(
+                    f", {fam} `{x['config']}` {percent(x['accuracy'])}" for fam, x in r.get("by_family", {}).items()
+                )
                 + ")"
                 for b, r in d["recommended"].items()
             )

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from benchmarks.agent_tasks import Sample, is_correct
-from engine.lifecycle import MethodSpec
+from engine.method_spec import MethodSpec
 from engine.llm import LLMEngine
 from engine.sampling import SamplingParams
 

@@ -52,194 +52,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
-import random
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from agent_adapters.client import AsyncChainKVClient  # noqa: E402
-from agent_adapters.messages import TextDelta, TurnResult  # noqa: E402
-from benchmarks.agent_hints import HintPolicy, send_turn  # noqa: E402
+from benchmarks.agent_trace_sessions import Config, config_names, run_config  # noqa: E402
+from benchmarks.agent_trace_shape import TraceParams, make_trace  # noqa: E402
 from benchmarks.agent_trace_summary import recall_bandwidth, summarize  # noqa: E402
 from benchmarks.serving_profile import ServingProfile, print_report  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-WORDS = (
-    "data value result query table index record field status error output item list page user file time "
-    "name type size count total range start end node path key text line code test run step time cache "
-    "load save read write open close find match sort merge split join parse check build send fetch"
-).split()
-SYSTEM_HEAD = (
-    "You are an autonomous research agent. Work step by step. Call one tool per turn and read its "
-    "output carefully before the next step. Tools: search(query) returns web results; "
-    "read(url) returns a page; python(code) runs code and returns stdout. "
-)
-
-
-@dataclass
-class TraceParams:
-    sessions: int = 2
-    turns: int = 6
-    system_words: int = 300
-    task_words: int = 40
-    tool_median: int = 250
-    tool_sigma: float = 0.6
-    tool_min: int = 16
-    tool_max: int = 1200
-    output_tokens: int = 8
-    think_s: float = 0.1
-    trace_seed: int = 0
-
-
-def _words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n))
-
-
-def make_trace(p: TraceParams) -> tuple[list[list[list[dict]]], list[list[float]]]:
-    """Per session, per turn: the new messages; and the think time before each turn."""
-    rng = random.Random(p.trace_seed)
-    system = SYSTEM_HEAD + _words(random.Random(-1), p.system_words)  # one prompt shared by every session
-    sessions, thinks = [], []
-    for s in range(p.sessions):
-        turns = [
-            [
-                {"role": "system", "content": system},
-                {"role": "user", "content": f"Task {s}: " + _words(rng, p.task_words)},
-            ]
-        ]
-        think = [0.0]
-        for _ in range(1, p.turns):
-            n = int(min(p.tool_max, max(p.tool_min, rng.lognormvariate(math.log(p.tool_median), p.tool_sigma))))
-            turns.append([{"role": "tool", "name": "search", "content": _words(rng, n)}])
-            think.append(rng.expovariate(1 / p.think_s) if p.think_s > 0 else 0.0)
-        sessions.append(turns)
-        thinks.append(think)
-    return sessions, thinks
-
-
-@dataclass
-class Config:
-    name: str
-    chain: bool
-    method: str
-    prune: bool
-    hints: bool = False
-
-    @classmethod
-    def parse(cls, name: str) -> "Config":
-        base, *extras = name.split("+")
-        if any(e not in ("prune", "recall", "hints") for e in extras) or len(set(extras)) < len(extras):
-            raise SystemExit(f"unknown configuration suffix in {name!r} (+recall, +prune, +hints)")
-        if base == "nochain":
-            if extras:
-                raise SystemExit("nochain has no session to prune, recall or send hints for")
-            return cls(name, False, "dense", False)
-        method = base + ("+recall" if "recall" in extras else "")
-        return cls(name, True, method, "prune" in extras, "hints" in extras)
-
-
-def config_names(configs: str, hints: bool) -> list[str]:
-    """The configurations of ``--configs``; with ``hints``, each chain configuration followed by its
-    ``+hints`` twin (side by side in one run)."""
-    names = [c.strip() for c in configs.split(",") if c.strip()]
-    if not hints:
-        return names
-    out = []
-    for n in names:
-        out.append(n)
-        if n != "nochain" and "hints" not in n.split("+") and n + "+hints" not in names:
-            out.append(n + "+hints")
-    return out
-
-
-async def one_turn(client: AsyncChainKVClient, session_id: str, messages: list[dict], opts: dict) -> dict:
-    t0 = time.perf_counter()
-    t_first = None
-    result: TurnResult | None = None
-    async for event in client.stream_turn(session_id, messages, **opts):
-        if isinstance(event, TextDelta) and t_first is None:
-            t_first = time.perf_counter()
-        elif isinstance(event, TurnResult):
-            result = event
-    t1 = time.perf_counter()
-    u = result.usage
-    t_first = t_first or t1
-    return {
-        "ttft_s": t_first - t0,
-        "server_ttft_s": u.time_to_first_token_s,
-        "latency_s": t1 - t0,
-        "tpot_s": (t1 - t_first) / max(1, u.generated_tokens - 1),
-        "prompt_tokens": u.prompt_tokens,
-        "reused_tokens": u.reused_tokens,
-        "prefilled_tokens": u.prefilled_tokens,
-        "pruned_tokens": u.pruned_tokens,
-        "generated_tokens": u.generated_tokens,
-        "history_tokens": u.history_tokens,
-        "kv_tokens": u.kv_tokens,
-        "source_tier": u.source_tier,
-        "timing": dict(u.timing),
-        "recall": dict(u.recall),
-        "text": result.text,
-    }
-
-
-async def run_config(client: AsyncChainKVClient, cfg: Config, trace, thinks, args, tag: str) -> list[dict]:
-    sem = asyncio.Semaphore(args.concurrency)
-    max_ttl = EngineConfig.max_pin_ttl_s if args.max_pin_ttl_s is None else args.max_pin_ttl_s  # the server's
-    policy = HintPolicy(args.hint_priority, args.pin_slack_s, max_ttl)
-    rows: list[dict] = []
-    base = {"max_tokens": args.output_tokens, "ignore_eos": True, "temperature": 0.0}
-    method = {"method": cfg.method}
-    if cfg.method != "dense":
-        method["budget"] = args.method_budget
-
-    async def session(i: int) -> None:
-        async with sem:
-            sid = f"{tag}-{cfg.name.replace('+', '-')}-s{i}"
-            transcript: list[dict] = []
-            t_start = time.perf_counter()
-            for k, msgs in enumerate(trace[i]):
-                if thinks[i][k]:
-                    await asyncio.sleep(thinks[i][k])
-                if cfg.chain:
-                    opts = {**base, **(method if k == 0 else {})}
-                    hints = policy.for_turn(k, thinks[i]) if cfg.hints else None
-                    row, hints = await send_turn(lambda extra: one_turn(client, sid, msgs, {**opts, **extra}), hints)
-                    row["hints"] = None if hints is None else hints.record()
-                else:
-                    turn_sid = f"{sid}-t{k}"
-                    row = {**await one_turn(client, turn_sid, transcript + msgs, base), "hints": None}
-                    await client.end_session(turn_sid)
-                transcript += msgs + [{"role": "assistant", "content": row.pop("text")}]
-                if cfg.prune and k >= 1:
-                    req = pb.PruneHistoryRequest(
-                        session_id=sid, prune_roles=["tool"], prune_lag=args.tool_prune_lag, prune_policy="drop"
-                    )
-                    row["pruned_tokens"] += (await client.prune_history(req)).pruned_tokens
-                rows.append(
-                    {
-                        "config": cfg.name,
-                        "session": i,
-                        "turn": k,
-                        **row,
-                        "session_wall_s": time.perf_counter() - t_start,
-                    }
-                )
-            if cfg.chain:
-                await client.end_session(sid)
-            if tag != "warmup":
-                print(f"  {cfg.name}: session {i} done in {time.perf_counter() - t_start:.1f} s", flush=True)
-
-    await asyncio.gather(*(session(i) for i in range(len(trace))))
-    return rows
 
 
 async def replay(target: str, args, params: TraceParams, profile=None, on_update=None) -> dict:

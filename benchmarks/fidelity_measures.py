@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.agent_transcripts import Transcript, is_correct
-from engine.lifecycle import MethodSpec
+from engine.method_spec import MethodSpec
 from engine.llm import LLMEngine
 from engine.sampling import SamplingParams
 

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engine.lifecycle import MethodSpec  # noqa: E402
+from engine.method_spec import MethodSpec  # noqa: E402
 from engine.llm import LLMEngine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from tests.conftest import make_engine, make_tiny, run_turn  # noqa: E402

@@ -1,5 +1,5 @@
 """The building blocks of docs/benchmarks.md's sections: where the results live, a markdown table,
-an SVG line chart.
+a percentage, an SVG line chart.
 
 benchmarks/report.py assembles the document; the section renderers that live in their own files
 (agent_quality_report.py, agent_fidelity_report.py) import these from here, so nothing imports the
@@ -20,6 +20,11 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 100 else f"{v:,.0f}"
     return str(v)
+
+
+def percent(x: float | None) -> str | None:
+    """A fraction as a whole percentage (``0.25`` -> ``25%``); None stays None (a table shows ``-``)."""
+    return None if x is None else f"{100 * x:.0f}%"
 
 
 def table(rows: list[dict], cols: list[tuple[str, str]]) -> str:

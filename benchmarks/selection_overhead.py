@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.lifecycle import MethodSpec  # noqa: E402
+from engine.method_spec import MethodSpec  # noqa: E402
 from engine.llm import LLMEngine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 

@@ -42,7 +42,7 @@ from engine.chain import (
     TurnSpec,
 )
 from engine.constrained import Constraint, ConstraintError
-from engine.lifecycle import MethodError, MethodSpec, build_params
+from engine.method_spec import MethodError, MethodSpec, build_params
 from engine.llm import LLMEngine
 from engine.methods import REGISTRY as METHODS
 from engine.methods import describe as describe_methods

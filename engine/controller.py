@@ -22,8 +22,6 @@ from engine.lifecycle import (
     ChunkInfo,
     DecodeBatch,
     KeepMask,
-    MethodError,
-    MethodSpec,
     ModelShape,
     PrefillChunk,
     ScoringPass,
@@ -32,6 +30,7 @@ from engine.lifecycle import (
     Span,
     SparseMethod,
 )
+from engine.method_spec import MethodError, MethodSpec
 from engine.methods import create_method
 from engine.recall import STATE_PREFIX as RECALL_STATE
 from engine.recall import RecallResult, RecallTier

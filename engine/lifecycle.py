@@ -3,7 +3,9 @@
 A method subclasses :class:`SparseMethod`. It owns its rule and its per-sequence state; it never
 touches pages. Hooks return *decisions* (which physical tokens each kv-head keeps, which pages
 attention may read) and the SparseController hands them to the CacheManager, which really frees
-what is evicted. Hooks a method does not override cost nothing: the controller skips them.
+what is evicted. Hooks a method does not override cost nothing: the controller skips them. A method
+is built from a :class:`~engine.method_spec.MethodSpec` (its name, budget and ``method_args``,
+declared in engine/method_spec.py) and the :class:`ModelShape` it serves.
 
 Hooks, in the order the engine calls them (docs/architecture.md):
 
@@ -58,7 +60,6 @@ positions are available from :class:`KVReader` for methods that need them.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Hashable, Mapping, Protocol, Sequence
@@ -66,12 +67,9 @@ from typing import Any, ClassVar, Hashable, Mapping, Protocol, Sequence
 import torch
 
 from engine.cache.compaction import Keep  # noqa: F401  (the keep decisions hooks return)
+from engine.method_spec import MethodError, MethodSpec, build_params
 
 SeqId = Hashable
-
-
-class MethodError(ValueError):
-    """A method name, budget or parameter is invalid."""
 
 
 @dataclass(frozen=True)
@@ -106,58 +104,6 @@ class KVLayout:
     def describe(self) -> str:
         inner = ", ".join(f"{k}={v}" for k, v in self.args)
         return f"{self.format}({inner})" if inner else self.format
-
-
-@dataclass
-class MethodSpec:
-    """Which method a sequence uses, with its budget and parameters (same names as EngineConfig)."""
-
-    method: str = "dense"
-    budget: int | None = None
-    budget_ratio: float | None = None
-    method_args: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.budget is not None and self.budget_ratio is not None:
-            raise MethodError("give budget (tokens per head) or budget_ratio (fraction kept), not both")
-        if self.budget is not None and (not isinstance(self.budget, int) or self.budget < 1):
-            raise MethodError(f"budget must be a positive number of tokens, not {self.budget!r}")
-        if self.budget_ratio is not None and not (0 < self.budget_ratio <= 1):
-            raise MethodError(f"budget_ratio must be in (0, 1], not {self.budget_ratio!r}")
-
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        """The method settings, as every layer spells them: EngineConfig's fields, a snapshot's
-        method record, the gRPC Turn's and Session's fields and the HTTP ``chainkv`` extension."""
-        return tuple(f.name for f in dataclasses.fields(cls))
-
-    @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> "MethodSpec":
-        """The spec a mapping of its field names holds (a snapshot's method record); keys that are
-        not method settings are ignored, a missing one is a KeyError."""
-        values = {name: record[name] for name in cls.field_names()}
-        return cls(**{**values, "method_args": dict(values["method_args"] or {})})
-
-    @classmethod
-    def from_config(cls, config: Any) -> "MethodSpec":
-        """The default spec an EngineConfig names (its fields of the same names)."""
-        return cls.from_record({name: getattr(config, name) for name in cls.field_names()})
-
-    def to_record(self) -> dict[str, Any]:
-        """The spec as a plain mapping of its field names (a snapshot's method record)."""
-        return {name: getattr(self, name) for name in self.field_names()}
-
-    def copy(self) -> "MethodSpec":
-        """A copy that shares nothing mutable with this spec."""
-        return MethodSpec.from_record(self.to_record())
-
-    def key(self) -> tuple:
-        return (
-            self.method,
-            self.budget,
-            self.budget_ratio,
-            tuple(sorted((k, repr(v)) for k, v in self.method_args.items())),
-        )
 
 
 class KVReader(Protocol):
@@ -433,47 +379,3 @@ class SparseMethod:
 
     def release(self, seq_id: SeqId) -> None:
         pass
-
-
-def build_params(cls: type, args: Mapping[str, Any]) -> Any:
-    """The method's Params dataclass from ``method_args``, with a clear error for unknown keys."""
-    if cls.Params is None:
-        if args:
-            raise MethodError(f"method {cls.name!r} takes no parameters, got {', '.join(sorted(args))}")
-        return None
-    names = {f.name: f for f in dataclasses.fields(cls.Params)}
-    unknown = sorted(set(args) - set(names))
-    if unknown:
-        raise MethodError(
-            f"method {cls.name!r} has no parameter(s) {', '.join(unknown)}; it takes {', '.join(names) or 'none'}"
-        )
-    values = {}
-    for key, value in args.items():
-        default = names[key].default
-        if isinstance(value, str) and not isinstance(default, str) and default is not dataclasses.MISSING:
-            value = _parse_value(cls.name, key, value, int if default is None else type(default))
-        values[key] = value
-    return cls.Params(**values)
-
-
-def _parse_value(method: str, key: str, text: str, kind: type) -> Any:
-    try:
-        if kind is bool:
-            if text.lower() in ("1", "true", "yes", "on"):
-                return True
-            if text.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(text)
-        if kind in (list, tuple):
-            return kind(int(x) for x in text.split(",") if x.strip())
-        return kind(text)
-    except ValueError:
-        raise MethodError(f"{method}.{key} expects {kind.__name__}, got {text!r}") from None
-
-
-def recent_and_sink(length: int, n_sink: int, budget: int) -> torch.Tensor:
-    """Physical indices of the first ``n_sink`` and the most recent ``budget - n_sink`` tokens."""
-    if length <= budget:
-        return torch.arange(length)
-    n_sink = min(n_sink, budget)
-    return torch.cat([torch.arange(n_sink), torch.arange(length - (budget - n_sink), length)])

@@ -25,7 +25,8 @@ from engine.chain import ChainCache, ChainState, SessionError, SessionInfo, Tier
 from engine.config import EngineConfig
 from engine.constrained import GrammarBackend
 from engine.controller import SparseController
-from engine.lifecycle import MethodSpec, ModelShape, SeqInfo
+from engine.lifecycle import ModelShape, SeqInfo
+from engine.method_spec import MethodSpec
 from engine.distributed.layers import TensorParallelLlama
 from engine.distributed.sharding import shard_layout
 from engine.distributed.snapshots import for_rank as snapshot_for_rank

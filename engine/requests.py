@@ -15,7 +15,7 @@ import torch
 
 from engine.cache.manager import CacheManager
 from engine.controller import SparseController
-from engine.lifecycle import MethodSpec
+from engine.method_spec import MethodSpec
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
 

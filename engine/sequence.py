@@ -10,7 +10,7 @@ from typing import Any, Hashable
 import torch
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.lifecycle import MethodSpec
+from engine.method_spec import MethodSpec
 from engine.sampling import SamplingParams
 from engine.turn_timing import TurnTiming
 

@@ -16,7 +16,8 @@ from agent_adapters.messages import TextDelta, TurnResult, Usage
 from agent_adapters.retry import ChainKVError
 from agent_adapters.turns import build_turn_request
 from benchmarks.agent_hints import HintPolicy, TurnHints
-from benchmarks.agent_trace import Config, TraceParams, config_names, make_trace, run_config
+from benchmarks.agent_trace_sessions import Config, config_names, run_config
+from benchmarks.agent_trace_shape import TraceParams, make_trace
 from engine.chain.hints import SessionHints
 from sidecar.protocol import session_hints
 from sidecar.turn_request import from_proto

@@ -9,7 +9,7 @@ import torch
 
 from engine.cache.snapshot import SessionSnapshot, SnapshotError
 from engine.chain import HistoryMismatch, SessionBusy, SessionNotFound, TurnIndexMismatch
-from engine.lifecycle import MethodSpec
+from engine.method_spec import MethodSpec
 from engine.sampling import SamplingParams
 
 from tests.conftest import first_turn, haystack, make_engine, next_turn, run_turn

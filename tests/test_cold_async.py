@@ -19,7 +19,7 @@ import torch
 from engine.cache.cold_copy import ColdCopier, HostCopy
 from engine.cache.cold_store import FP8, ColdStore
 from engine.config import EngineConfig
-from engine.lifecycle import MethodSpec
+from engine.method_spec import MethodSpec
 from engine.llm import LLMEngine
 from engine.sampling import SamplingParams
 

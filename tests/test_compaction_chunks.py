@@ -184,7 +184,8 @@ def test_streaming_llm_decode_mask_built_a_few_sequences_at_a_time(monkeypatch):
     """streaming_llm's batch-wide keep mask (sink + recent window of every due head) is written in place a
     chunk of sequences at a time; it is the rule's mask, and its temporaries stay within the budget."""
     import engine.methods.streaming_llm as streaming
-    from engine.lifecycle import MethodSpec, ModelShape, SeqInfo
+    from engine.lifecycle import ModelShape, SeqInfo
+    from engine.method_spec import MethodSpec
 
     shape = ModelShape(num_layers=L, num_heads=4, num_kv_heads=H, head_dim=D, page_size=P)
     m = streaming.StreamingLLM(MethodSpec("streaming_llm", budget=20, method_args={"slack": 3, "n_sink": 4}), shape)

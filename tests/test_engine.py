@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from engine.lifecycle import MethodError, MethodSpec
+from engine.method_spec import MethodError, MethodSpec
 from engine.llm import RequestError
 from engine.sampling import SamplingParams
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.lifecycle import MethodSpec
+from engine.method_spec import MethodSpec
 from engine.methods import REGISTRY
 from engine.methods.pyramidkv import pyramid_budgets
 from engine.model.llama import rope_tables

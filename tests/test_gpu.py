@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from engine.lifecycle import MethodSpec  # noqa: E402
+from engine.method_spec import MethodSpec  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 from tests.conftest import make_engine  # noqa: E402

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from engine.lifecycle import MethodSpec, ScoringPass
+from engine.lifecycle import ScoringPass
+from engine.method_spec import MethodSpec
 from engine.sampling import SamplingParams
 
 from tests.conftest import chat, haystack, make_engine

@@ -12,7 +12,8 @@ import torch
 
 import engine.methods
 from engine.config import EngineConfig
-from engine.lifecycle import MethodError, MethodSpec, ModelShape, SparseMethod
+from engine.lifecycle import ModelShape, SparseMethod
+from engine.method_spec import MethodError, MethodSpec
 from engine.methods import REGISTRY, create_method, register
 
 SHAPE = ModelShape(

@@ -21,7 +21,7 @@ from engine.cache.formats import make_format
 from engine.cache.manager import CacheManager
 from engine.cache.pages import PagePool
 from engine.cache.snapshot import SessionSnapshot
-from engine.lifecycle import MethodError, MethodSpec
+from engine.method_spec import MethodError, MethodSpec
 from engine.sampling import SamplingParams
 
 from benchmarks.quant_quality import agreement, forced_decode

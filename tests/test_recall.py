@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.cache.cold_store import ColdStore
-from engine.lifecycle import MethodError, MethodSpec
+from engine.method_spec import MethodError, MethodSpec
 from engine.methods import get_method_class
 from engine.sampling import SamplingParams
 from engine.recall import _pooled, _score

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import engine.sampling as sampling
 from engine.attention.paged import PagedAttention
-from engine.lifecycle import MethodSpec
+from engine.method_spec import MethodSpec
 from engine.llm import LLMEngine
 from engine.sampling import SamplingError, SamplingParams, sample
 

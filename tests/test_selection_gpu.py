@@ -69,7 +69,7 @@ def _run(eng, prompt, specs, max_tokens=32):
 
 
 def test_triton_covering_page_lists_equal_dense(gpu_engine, prompt):
-    from engine.lifecycle import MethodSpec
+    from engine.method_spec import MethodSpec
 
     assert gpu_engine.backend.name == "triton"
     dense, quest, offload = _run(
@@ -102,7 +102,7 @@ def test_triton_sparse_page_lists_match_reference(gpu_engine, prompt):
 
 
 def test_offload_on_cuda_uses_pinned_host_pages_within_budget(gpu_engine, prompt):
-    from engine.lifecycle import MethodSpec
+    from engine.method_spec import MethodSpec
     from engine.methods import create_method
 
     eng = gpu_engine
@@ -127,7 +127,7 @@ def test_offload_on_cuda_uses_pinned_host_pages_within_budget(gpu_engine, prompt
 def test_quest_decodes_inside_cuda_graphs(gpu_engine, prompt, tmp_path):
     """Quest with a budget in tokens runs its page selection inside the decode CUDA graph: the same
     tokens as the eager step (a sparse budget, three sequences of different lengths in one batch)."""
-    from engine.lifecycle import MethodSpec
+    from engine.method_spec import MethodSpec
 
     graphs = random_llama_engine(tmp_path / "graphs", cuda_graphs=True)
     prompts = [prompt, prompt[:437], prompt[:250]]

@@ -14,7 +14,8 @@ from engine.attention.reference import ReferenceAttention
 from engine.cache.manager import CacheManager
 from engine.cache.pages import PagePool
 from engine.cache.view import AttentionView
-from engine.lifecycle import DecodeBatch, MethodError, MethodSpec, ModelShape, PrefillChunk
+from engine.lifecycle import DecodeBatch, ModelShape, PrefillChunk
+from engine.method_spec import MethodError, MethodSpec
 from engine.methods import REGISTRY, create_method
 from engine.methods.quest import page_scores
 from engine.sampling import SamplingParams

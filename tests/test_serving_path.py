@@ -22,7 +22,7 @@ import torch
 
 from engine.cache.manager import CacheManager
 from engine.cache.pages import PagePool
-from engine.lifecycle import MethodSpec
+from engine.method_spec import MethodSpec
 from engine.sampling import SamplingParams
 
 from tests.conftest import make_engine

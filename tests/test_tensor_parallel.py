@@ -18,7 +18,7 @@ from engine.cache.snapshot import SessionSnapshot, SnapshotError
 from engine.config import ConfigError, EngineConfig
 from engine.tensor_parallel.launcher import launch
 from engine.distributed.sharding import ShardingError, ShardLayout
-from engine.lifecycle import MethodSpec
+from engine.method_spec import MethodSpec
 from engine.llm import LLMEngine, RequestError
 from engine.model.loader import load_hf_config, parse_hf_config
 from engine.sampling import SamplingParams

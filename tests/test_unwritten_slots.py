@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from engine.lifecycle import MethodSpec
+from engine.method_spec import MethodSpec
 from engine.llm import LLMEngine
 from engine.methods import REGISTRY
 from engine.sampling import SamplingParams

@@ -147,36 +147,25 @@ class PagedAttention:
         out, probs = self.backend.prefill(
             self.manager.pool, view, q, qpos, self.scale, probs_window=window, chunk_kv=chunk_kv, uniform_length=uniform
         )
+        if not (scoring or (seg.hooks and self.controller.wants_after_prefill(seg.seq_id))):
+            return out
+        chunk = PrefillChunk(
+            seq_id=seg.seq_id,
+            layer=layer,
+            start=seg.start,
+            length=seg.length,
+            is_last=seg.is_last and not scoring,  # a scoring pass's chunks end no turn's input
+            q=q,
+            k=k,
+            v=v,
+            probs=probs,
+            lengths=self.manager.lengths[seg.slot, layer].clone(),
+            cache=self.manager,
+        )
         if scoring:
-            chunk = PrefillChunk(
-                seq_id=seg.seq_id,
-                layer=layer,
-                start=seg.start,
-                length=seg.length,
-                is_last=False,
-                q=q,
-                k=k,
-                v=v,
-                probs=probs,
-                lengths=self.manager.lengths[seg.slot, layer].clone(),
-                cache=self.manager,
-                context_lengths=seg.context_lengths[layer],
-            )
+            chunk.context_lengths = seg.context_lengths[layer]
             self.controller.observe_scoring(layer, chunk)
-        elif seg.hooks and self.controller.wants_after_prefill(seg.seq_id):
-            chunk = PrefillChunk(
-                seq_id=seg.seq_id,
-                layer=layer,
-                start=seg.start,
-                length=seg.length,
-                is_last=seg.is_last,
-                q=q,
-                k=k,
-                v=v,
-                probs=probs,
-                lengths=self.manager.lengths[seg.slot, layer].clone(),
-                cache=self.manager,
-                protected=self.controller.protected_len(seg.seq_id),
-            )
+        else:
+            chunk.protected = self.controller.protected_len(seg.seq_id)
             self.controller.after_prefill_chunk(layer, chunk)
         return out

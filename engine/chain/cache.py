@@ -42,7 +42,8 @@ from engine.chain.tiers import ChainTiers
 from engine.chain.turn_spec import TurnSpec
 from engine.config import EngineConfig
 from engine.controller import SparseController
-from engine.lifecycle import MethodSpec, SeqInfo
+from engine.lifecycle import SeqInfo
+from engine.method_spec import MethodSpec
 from engine.prefix import PrefixIndex, QueryWindow, prune_span
 from engine.prune_rule import check_policy, check_span, due_spans
 from engine.requests import RequestFactory

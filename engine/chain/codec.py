@@ -16,7 +16,7 @@ import numpy as np
 from engine.cache.snapshot import SessionSnapshot
 from engine.chain.errors import SessionError
 from engine.chain.records import Chain, PruneRecord, TaggedSpan, history_digest
-from engine.lifecycle import MethodSpec
+from engine.method_spec import MethodSpec
 
 KV_STATE_KEYS = ("method_state", "num_cached", "query_count")
 """Snapshot metadata that describes the KV itself and travels with it; the rest of a snapshot's

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Hashable
 
 from engine.chain.records import PruneRecord
-from engine.lifecycle import MethodSpec
+from engine.method_spec import MethodSpec
 from engine.recall import RecallTraffic
 
 

@@ -11,7 +11,8 @@ from typing import Any, Hashable
 import numpy as np
 
 from engine.cache.snapshot import SessionSnapshot
-from engine.lifecycle import MethodSpec, Span
+from engine.lifecycle import Span
+from engine.method_spec import MethodSpec
 from engine.prefix import QueryWindow
 from engine.sequence import Sequence
 

@@ -23,7 +23,8 @@ from engine.chain.errors import PinLimit, SessionError, SessionNotFound
 from engine.chain.hints import SessionHints
 from engine.chain.records import Chain, ChainState, Tier
 from engine.controller import SparseController
-from engine.lifecycle import MethodSpec, SeqInfo
+from engine.lifecycle import SeqInfo
+from engine.method_spec import MethodSpec
 from engine.prefix import PrefixIndex
 from engine.sequence import Sequence
 

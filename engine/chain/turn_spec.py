@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.chain.hints import SessionHints
-from engine.lifecycle import MethodSpec
+from engine.method_spec import MethodSpec
 from engine.sampling import SamplingParams
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.distributed import group
-from engine.lifecycle import MethodError, MethodSpec
+from engine.method_spec import MethodError, MethodSpec
 from engine.methods.registry import get_method_class, register
 from engine.methods.scored import ScoredEviction, topk_across_heads
 

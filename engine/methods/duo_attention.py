@@ -36,7 +36,9 @@ from pathlib import Path
 import torch
 
 from engine.distributed import group
-from engine.lifecycle import DecodeBatch, MethodError, PrefillChunk, SparseMethod, recent_and_sink
+from engine.lifecycle import DecodeBatch, PrefillChunk, SparseMethod
+from engine.method_spec import MethodError
+from engine.methods.streaming_llm import recent_and_sink
 from engine.methods.registry import register
 
 PATTERN_DIR = Path(__file__).parent / "patterns"

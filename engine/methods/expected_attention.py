@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.cache.transfer import to_device
-from engine.lifecycle import MethodError, PrefillChunk
+from engine.lifecycle import PrefillChunk
+from engine.method_spec import MethodError
 from engine.methods.registry import register
 from engine.methods.scored import ScoredEviction, force_keep
 

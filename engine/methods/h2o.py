@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.cache.transfer import to_device
-from engine.lifecycle import ChunkInfo, DecodeBatch, MethodError, PrefillChunk
+from engine.lifecycle import ChunkInfo, DecodeBatch, PrefillChunk
+from engine.method_spec import MethodError
 from engine.methods.registry import register
 from engine.methods.scored import ScoredEviction, force_keep, topk_per_head
 

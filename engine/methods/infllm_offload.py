@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.lifecycle import DecodeBatch, MethodError, PrefillChunk, Selection, SparseMethod
+from engine.lifecycle import DecodeBatch, PrefillChunk, Selection, SparseMethod
+from engine.method_spec import MethodError
 from engine.methods.page_selection import PageSummaries, page_counts, select_pages
 from engine.methods.registry import register
 

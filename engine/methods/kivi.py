@@ -33,7 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.lifecycle import KVLayout, MethodError, SparseMethod
+from engine.lifecycle import KVLayout, SparseMethod
+from engine.method_spec import MethodError
 from engine.methods.registry import register
 
 

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.cache.transfer import to_device
-from engine.lifecycle import MethodError, PrefillChunk, ScoringPass, SeqInfo, SparseMethod
+from engine.lifecycle import PrefillChunk, ScoringPass, SeqInfo, SparseMethod
+from engine.method_spec import MethodError
 from engine.methods.registry import register
 from engine.methods.scored import topk_per_head
 

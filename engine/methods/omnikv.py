@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.lifecycle import DecodeBatch, MethodError, Selection, SparseMethod
+from engine.lifecycle import DecodeBatch, Selection, SparseMethod
+from engine.method_spec import MethodError
 from engine.methods.registry import register
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.lifecycle import MethodError
+from engine.method_spec import MethodError
 from engine.methods.registry import register
 from engine.methods.snapkv import SnapKV, SnapKVParams
 

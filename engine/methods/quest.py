@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.lifecycle import DecodeBatch, MethodError, PrefillChunk, Selection, SparseMethod
+from engine.lifecycle import DecodeBatch, PrefillChunk, Selection, SparseMethod
+from engine.method_spec import MethodError
 from engine.methods import quest_triton
 from engine.methods.page_bounds import PageBounds
 from engine.methods.page_selection import select_pages

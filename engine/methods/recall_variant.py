@@ -50,7 +50,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from engine.lifecycle import MethodError, SparseMethod
+from engine.lifecycle import SparseMethod
+from engine.method_spec import MethodError
 
 SUFFIX = "+recall"
 COLD_FORMATS = ("plain", "fp8")

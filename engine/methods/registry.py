@@ -8,7 +8,8 @@ import dataclasses
 import sys
 from typing import TypeVar
 
-from engine.lifecycle import MethodError, MethodSpec, ModelShape, SparseMethod
+from engine.lifecycle import ModelShape, SparseMethod
+from engine.method_spec import MethodError, MethodSpec
 from engine.methods.recall_variant import SUFFIX, RecallParams, base_name, recall_variant
 
 REGISTRY: dict[str, type[SparseMethod]] = {}

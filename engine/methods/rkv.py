@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.lifecycle import DecodeBatch, MethodError, SparseMethod
+from engine.lifecycle import DecodeBatch, SparseMethod
+from engine.method_spec import MethodError
 from engine.methods.decode_window import DecodeWindow, window_probs
 from engine.methods.registry import register
 from engine.methods.scored import force_keep, pool_1d, topk_per_head

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.cache.transfer import to_device
-from engine.lifecycle import ChunkInfo, DecodeBatch, KeepMask, MethodError, PrefillChunk
+from engine.lifecycle import ChunkInfo, DecodeBatch, KeepMask, PrefillChunk
+from engine.method_spec import MethodError
 from engine.methods.decode_window import DecodeWindow, window_probs
 from engine.methods.registry import register
 from engine.methods.scored import ScoredEviction, pool_1d, rank_protected_last, topk_per_head

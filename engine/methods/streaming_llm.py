@@ -31,7 +31,8 @@ import torch
 
 from engine.cache.compaction import COMPACTION_CHUNK_BYTES
 from engine.cache.transfer import to_device
-from engine.lifecycle import KeepMask, MethodError, PrefillChunk, SparseMethod, recent_and_sink
+from engine.lifecycle import KeepMask, PrefillChunk, SparseMethod
+from engine.method_spec import MethodError
 from engine.methods.registry import register
 
 
@@ -88,3 +89,11 @@ class StreamingLLM(SparseMethod):
             mask[j] &= t < n[j]
             mask[j] |= t < sink[j]
         return KeepMask([seqs[i].seq_id for i in due.tolist()], mask)
+
+
+def recent_and_sink(length: int, n_sink: int, budget: int) -> torch.Tensor:
+    """Physical indices of the first ``n_sink`` and the most recent ``budget - n_sink`` tokens."""
+    if length <= budget:
+        return torch.arange(length)
+    n_sink = min(n_sink, budget)
+    return torch.cat([torch.arange(n_sink), torch.arange(length - (budget - n_sink), length)])
