@@ -120,5 +120,9 @@ def test_client_hint_options_reach_the_request_as_the_sidecar_reads_them():
     assert session_hints(from_proto(req)) == SessionHints(priority=-4, pin_ttl_s=12.5)
     assert session_hints(from_proto(build_turn_request("s", [], release=True))) == SessionHints(release=True)
     assert session_hints(from_proto(build_turn_request("s", [], release=False))) is None
+    back = build_turn_request("s", [], pin_ttl_s=2.0, expected_return_s=6.5)
+    assert session_hints(from_proto(back)) == SessionHints(pin_ttl_s=2.0, expected_return_s=6.5)
     with pytest.raises(ValueError):
         build_turn_request("s", [], pin_ttl_s=1.0, release=True)
+    with pytest.raises(ValueError):
+        build_turn_request("s", [], expected_return_s=1.0, release=True)
