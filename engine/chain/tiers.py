@@ -253,8 +253,8 @@ class ChainTiers:
             if chain.expected_at - self.prefetch_lead_s > now:
                 break  # the rest are expected later still
             need = self.restore_pages(chain.seq, allow_idle=True)
-            if need > pages or need > self.manager.pool.num_free:
-                continue
+            if need <= 0 or need > pages or need > self.manager.pool.num_free:
+                continue  # nothing to copy back, or no room for it now
             self.restore(chain.seq)
             chain.state = ChainState.IDLE
             chain.expected_at, chain.prefetched = None, True
