@@ -40,10 +40,12 @@ SAMPLING_FIELDS = (
     "repetition_penalty",
 )
 METHOD_FIELDS = ("method", "budget", "budget_ratio", "method_args", "shared_prefix_messages")
-HINT_FIELDS = ("priority", "pin_ttl_s", "release")
+HINT_FIELDS = ("priority", "pin_ttl_s", "release", "expected_return_s")
 """Agent hints (engine/chain/hints.py): ``priority`` (an integer in [-100, 100], higher served first),
 ``pin_ttl_s`` (keep the session on the accelerator this many seconds after the turn, while the
-agent's tool runs) or ``release=True`` (the agent is done for now)."""
+agent's tool runs) or ``release=True`` (the agent is done for now), and ``expected_return_s`` (the
+agent expects its next turn this many seconds after this one: a session moved off the accelerator
+meanwhile is brought back before then)."""
 
 
 def build_turn_request(
@@ -66,6 +68,8 @@ def build_turn_request(
         raise TypeError(f"unknown Turn option(s) {sorted(unknown)}; known: {known}")
     if options.get("pin_ttl_s") is not None and options.get("release"):
         raise ValueError("a turn cannot both pin its session and release it")
+    if options.get("expected_return_s") is not None and options.get("release"):
+        raise ValueError("a turn cannot both release its session and expect to return to it")
     req = pb.TurnRequest(
         session_id=session_id,
         request_id=uuid.uuid4().hex if request_id is None else request_id,
@@ -87,6 +91,8 @@ def build_turn_request(
             req.tool_choice.CopyFrom(tool_choice_proto(value))
         elif key == "priority":
             req.agent_hints.priority = value
+        elif key == "expected_return_s":
+            req.agent_hints.expected_return_s = value
         elif key == "pin_ttl_s":
             req.session_control.action, req.session_control.ttl_seconds = "pin", value
         elif key == "release":

@@ -18,8 +18,10 @@ sessions at a time, once per configuration (``--configs``, comma-separated):
   METHOD+recall    the method's ``+recall`` variant: what it evicts stays recallable in host memory
                    (engine/recall.py); combines with +prune
   CONFIG+hints     the same sending agent hints as an agent framework would (benchmarks/agent_hints.py):
-                   a priority, a pin while each tool runs, a release with the last turn; ``--hints``
-                   adds a +hints twin of every chain configuration, so both run side by side
+                   a priority, a pin while each tool runs and the tool's run time as the expected
+                   return (a session demoted meanwhile is prefetched before it), a release with the
+                   last turn; ``--hints`` adds a +hints twin of every chain configuration, so both
+                   run side by side
 
 A method the sidecar does not know (GetServerInfo lists them) is skipped with a message.
 Per configuration: time to first token per turn (client side, by turn index), time per output

@@ -77,5 +77,6 @@ def _hints_sent(rows: list[dict]) -> dict | None:
         "pins": sum(h["pin_ttl_s"] is not None for h in sent),
         "pins_refused": sum(h["pin_refused"] for h in sent),
         "releases": sum(h["release"] for h in sent),
+        "expected_returns": sum(h.get("expected_return_s") is not None for h in sent),
         "mean_pin_ttl_s": statistics.fmean([h["pin_ttl_s"] for h in sent if h["pin_ttl_s"] is not None] or [0.0]),
     }

@@ -82,6 +82,9 @@ class EngineConfig:
     """Longest pin an agent hint may ask for (seconds a session stays on the GPU after its turn)."""
     max_pinned_fraction: float = 0.5
     """Most of the KV pool pinned sessions may hold together (a pin past it is refused)."""
+    prefetch_lead_s: float = 1.0
+    """A session in host memory whose agent said when it would be back (``expected_return_s``) is
+    brought back onto the GPU from this many seconds before then, into pages no turn needs."""
     prefix_sharing: bool = True
     """Store a shared system prompt / tool schema once (block-hash index, copy-on-write pages)."""
     prune_roles: list[str] = field(default_factory=lambda: ["tool"])
@@ -163,6 +166,10 @@ class EngineConfig:
         _check(
             math.isfinite(self.max_pin_ttl_s) and self.max_pin_ttl_s >= 0,
             f"max_pin_ttl_s must be a finite number >= 0, not {self.max_pin_ttl_s}",
+        )
+        _check(
+            math.isfinite(self.prefetch_lead_s) and self.prefetch_lead_s >= 0,
+            f"prefetch_lead_s must be a finite number >= 0, not {self.prefetch_lead_s}",
         )
         _check(
             0 <= self.max_pinned_fraction <= 1,

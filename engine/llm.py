@@ -322,6 +322,17 @@ class LLMEngine:
         (engine/stepping.py: on the GPU, steady greedy decoding runs one step ahead)."""
         return self.loop.step()
 
+    def prefetch(self) -> int:
+        """Between steps, with nothing to run: bring back onto the GPU the sessions in host memory
+        whose agents are due back (the ``expected_return_s`` hint), as far as free pages allow
+        (``step`` does one at a time while requests run). Returns the sessions prefetched."""
+        return self.loop.prefetch(limit=None)
+
+    def next_prefetch_in(self) -> float | None:
+        """Seconds until a session in host memory falls due for a prefetch (None: none will); an
+        idle server wakes then to call ``prefetch``."""
+        return self.chains.tiers.next_prefetch_in()
+
     def logits_of(self, request_id: Hashable) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(prompt logits ``[prompt_len, V]``, step logits ``[generated, V]``) kept for a live request."""
         seq = self._seqs[request_id]
@@ -400,6 +411,8 @@ class LLMEngine:
             sessions=len(self.chains.chains),
             demotions=self.chains.demotions,
             swaps=self.scheduler.swaps,
+            prefetches=self.chains.tiers.prefetches,
+            prefetch_hits=self.chains.tiers.prefetch_hits,
             prefix_holders=self.chains.prefixes.num_holders,
             sessions_by_state=by_state,
             **self._recall_stats(),

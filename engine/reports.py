@@ -40,6 +40,11 @@ class EngineStats:
     sessions: int
     demotions: int
     swaps: int
+    prefetches: int
+    """Sessions brought back from host memory ahead of the next turn their agent announced
+    (the ``expected_return_s`` hint), ..."""
+    prefetch_hits: int
+    """... and those whose next turn found them still on the GPU."""
     prefix_holders: int
     decoded_tokens: int
     finished_stop: int

@@ -117,6 +117,23 @@ class Scheduler:
     def fresh_pages(self, n: int) -> int:
         return self.manager.pages_for_new(n)
 
+    def spare_room(self) -> tuple[int, int]:
+        """(pages, cache slots) free beyond what every admitted and waiting sequence may still take
+        before its turn ends: what may be spent ahead of time (a prefetch) without delaying them.
+        A sequence's most is its prompt left to prefill and its ``max_tokens`` left to decode, as if
+        its method compressed nothing (an upper bound); one waiting without a cache slot needs one."""
+        queued = [*self.running, *self.waiting]
+        cached = [s for s in queued if self.manager.has(s.seq_id)]
+        need = self.manager.pages_for_append([s.seq_id for s in cached], [_tokens_left(s) for s in cached])
+        slots = self.manager.num_free_slots
+        for seq in queued:
+            if self.manager.has(seq.seq_id):
+                continue
+            restore = self.reclaimer.restore_pages(seq, _tokens_left(seq)) if self.reclaimer is not None else 0
+            need += restore or self.fresh_pages(_tokens_left(seq))
+            slots -= 1
+        return max(0, self.manager.pool.num_free - need), max(0, slots)
+
     # --- one step -----------------------------------------------------------------------------
     def _chunk(self, seq: Sequence, budget: int) -> int:
         n = min(seq.num_to_feed, self.config.prefill_chunk_size, budget)
@@ -308,3 +325,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
         batch.preempted.append(seq)
+
+
+def _tokens_left(seq: Sequence) -> int:
+    """Tokens ``seq`` may still add to its cache this turn: its prompt left to prefill, then its
+    ``max_tokens`` left to decode."""
+    return seq.num_to_feed + max(0, seq.params.max_tokens - len(seq.output_ids))

@@ -144,7 +144,18 @@ class StepLoop:
                     seq.error = err
                     self.finish(seq, "failed")
         self.scheduler.swap_in(batch)  # after the pass: the step's requests did not wait for the copies
+        self.prefetch(limit=1)  # one copy a step at most: the next step waits for it
         return [self.output(s) for s in touched]
+
+    def prefetch(self, limit: int | None) -> int:
+        """Bring sessions in host memory whose agents are due back onto the GPU (at most ``limit``),
+        into the pages and cache slots no admitted or waiting request may need (``spare_room``); never
+        while a step is in flight (as ``swap_in``, restores run between passes)."""
+        tiers = self.chains.tiers
+        if self.inflight is not None or not tiers.prefetch_due():
+            return 0
+        pages, slots = self.scheduler.spare_room()
+        return tiers.prefetch(pages, slots, limit)
 
     def _forward(self, batch):
         """The forward pass of ``batch`` and what follows it before sampling (prefix holders, scoring)."""

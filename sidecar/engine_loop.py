@@ -5,7 +5,9 @@ The engine is not thread-safe, so one thread owns it. Between forward passes tha
 commands the server sends (``call``: add a turn, abort, snapshot, load, fork, ...), then steps the
 engine while any request is unfinished and hands every output to the sink registered for its
 request id. Sinks run on the engine thread; the server's sinks pass outputs to the event loop with
-``call_soon_threadsafe`` into an asyncio queue, so a slow client never stalls the engine.
+``call_soon_threadsafe`` into an asyncio queue, so a slow client never stalls the engine. With
+nothing to run it sleeps until the next command, or until a session in host memory falls due to be
+prefetched onto the GPU before its agent's next turn (``LLMEngine.prefetch``).
 
 If a step raises (a bug, or the device failing), every running request gets the error, the loop
 is marked failed (health turns NOT_SERVING) and later calls raise ``EngineFailed``.
@@ -107,7 +109,9 @@ class EngineLoop:
         while True:
             with self._cv:
                 while not self._commands and not self._stop and not (eng.has_unfinished() and self.failed is None):
-                    self._cv.wait()
+                    wake_s = eng.next_prefetch_in() if self.failed is None else None
+                    if not self._cv.wait(wake_s):  # a session in host memory falls due: prefetched below
+                        break
                 if self._stop:
                     commands = list(self._commands)
                     self._commands.clear()
@@ -141,6 +145,11 @@ class EngineLoop:
                             sink(out)
                         except Exception:
                             log.exception("output sink for %r failed", out.request_id)
+            if self.failed is None and not eng.has_unfinished():
+                try:  # idle: sessions whose agents are due back come onto the GPU before their turns
+                    eng.prefetch()
+                except BaseException as e:
+                    self._fail(e)
 
     def _resolve(self, fut: asyncio.Future | None, result: Any = None, error: BaseException | None = None) -> None:
         if fut is None:

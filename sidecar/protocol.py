@@ -190,10 +190,12 @@ def session_hints(req: TurnRequest) -> SessionHints | None:
     ttl = req.session_control.ttl_seconds if req.session_control is not None else None
     if (action == "pin") != (ttl is not None):
         raise InvalidRequest('session_control.ttl_seconds goes with action "pin", and "pin" needs it')
+    agent = req.agent_hints
     hints = SessionHints(
-        priority=req.agent_hints.priority if req.agent_hints is not None else None,
+        priority=agent.priority if agent is not None else None,
         pin_ttl_s=ttl,
         release=action == "release",
+        expected_return_s=agent.expected_return_s if agent is not None else None,
     )
     try:
         hints.check(math.inf)

@@ -57,6 +57,7 @@ class ToolChoice:
 @dataclass
 class AgentHints:
     priority: int | None = None
+    expected_return_s: float | None = None
 
 
 @dataclass
@@ -141,7 +142,11 @@ def from_proto(req: pb.TurnRequest) -> TurnRequest:
             req.response_format.grammar,
         ),
         tool_choice=ToolChoice(req.tool_choice.mode, req.tool_choice.function_name),
-        agent_hints=AgentHints(_opt(req.agent_hints, "priority")) if req.HasField("agent_hints") else None,
+        agent_hints=(
+            AgentHints(_opt(req.agent_hints, "priority"), _opt(req.agent_hints, "expected_return_s"))
+            if req.HasField("agent_hints")
+            else None
+        ),
         session_control=(
             SessionControl(req.session_control.action, _opt(req.session_control, "ttl_seconds"))
             if req.HasField("session_control")

@@ -1,7 +1,7 @@
 """Agent hints over the wire (issue 27): gRPC's AgentHints / SessionControl and HTTP's ``nvext``, on a
-live sidecar over the tiny chat model. A hostile hint gets INVALID_ARGUMENT / 400, a pin past the
-tenant's pin quota or the pool's pin share RESOURCE_EXHAUSTED / 429, and a turn reports where its
-time went (Usage.timing)."""
+live sidecar over the tiny chat model. A hostile hint (a priority, a pin TTL or an expected return out
+of range) gets INVALID_ARGUMENT / 400, a pin past the tenant's pin quota or the pool's pin share
+RESOURCE_EXHAUSTED / 429, and a turn reports where its time went (Usage.timing)."""
 
 from __future__ import annotations
 
@@ -82,6 +82,15 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
         {"session_control": pb.SessionControl(action="forever")},
         {"agent_hints": pb.AgentHints(priority=1000)},
         {"agent_hints": pb.AgentHints(priority=-(2**31))},
+        {"agent_hints": pb.AgentHints(expected_return_s=float("nan"))},
+        {"agent_hints": pb.AgentHints(expected_return_s=float("inf"))},
+        {"agent_hints": pb.AgentHints(expected_return_s=-1.0)},
+        {"agent_hints": pb.AgentHints(expected_return_s=0.0)},
+        {"agent_hints": pb.AgentHints(expected_return_s=1e9)},  # past MAX_EXPECTED_RETURN_S
+        {
+            "agent_hints": pb.AgentHints(expected_return_s=5.0),
+            "session_control": pb.SessionControl(action="release"),
+        },
     ],
 )
 def test_hostile_hints_on_grpc_are_invalid_argument(live, kw):
@@ -90,6 +99,20 @@ def test_hostile_hints_on_grpc_are_invalid_argument(live, kw):
     turn(stub, sid)  # the session exists; the bad turn leaves it as it was
     assert code_of(lambda: turn(stub, sid, **kw)) == INVALID
     assert stub.GetSession(pb.GetSessionRequest(session_id=sid), metadata=ALPHA).turn_index == 1
+
+
+def test_an_expected_return_is_taken_on_both_fronts(live):
+    stub, url, model = live
+    assert turn(stub, "back-soon", agent_hints=pb.AgentHints(expected_return_s=4.0)).finish_reason
+    assert turn(stub, "back-soon", agent_hints=pb.AgentHints(priority=2, expected_return_s=3600.0)).finish_reason
+    body = {
+        "model": model,
+        "max_tokens": 4,
+        "prompt_cache_key": "http-back-soon",
+        "messages": [{"role": "user", "content": "run the tool"}],
+        "nvext": {"agent_hints": {"priority": 1, "expected_return_s": 2.5}},
+    }
+    assert _post(url, body).status_code == 200
 
 
 def test_a_tenant_pinning_past_its_quota_is_refused_until_it_releases(live):
@@ -139,6 +162,13 @@ def _post(url: str, body: dict | bytes) -> httpx.Response:
         ('{"agent_hints": {"priority": 1000}}', 400),
         ('{"agent_hints": {"priority": 1.5}}', 400),
         ('{"agent_hints": {"osl": 100}}', 400),
+        ('{"agent_hints": {"expected_return_s": NaN}}', 400),
+        ('{"agent_hints": {"expected_return_s": -Infinity}}', 400),
+        ('{"agent_hints": {"expected_return_s": 0}}', 400),
+        ('{"agent_hints": {"expected_return_s": "5"}}', 400),
+        ('{"agent_hints": {"expected_return_s": true}}', 400),
+        ('{"agent_hints": {"expected_return_s": 1e9}}', 400),
+        ('{"agent_hints": {"expected_return_s": 5}, "session_control": {"action": "release"}}', 400),
         ('{"hints": {}}', 400),
         ("[1]", 400),
     ],
@@ -173,3 +203,15 @@ def test_http_hints_pin_and_the_tenant_quota_is_429(live):
     r = chat("http-b", {"action": "pin", "ttl_seconds": 60})
     assert r.status_code == 429, r.text
     assert chat("http-b", {"action": "release"}).status_code == 200
+
+
+def test_http_agent_hints_reach_the_turn_as_grpcs_do():
+    from engine.chain import SessionHints
+    from sidecar.http.requests import set_agent_hints
+    from sidecar.protocol import session_hints
+    from sidecar.turn_request import TurnRequest, from_proto
+
+    req = TurnRequest()
+    set_agent_hints(req, {"nvext": {"agent_hints": {"priority": -2, "expected_return_s": 7}}})
+    grpc_req = pb.TurnRequest(agent_hints=pb.AgentHints(priority=-2, expected_return_s=7.0))
+    assert session_hints(req) == session_hints(from_proto(grpc_req)) == SessionHints(priority=-2, expected_return_s=7.0)

@@ -216,6 +216,14 @@ def test_pins_past_the_pools_pin_share_are_refused(tiny):
         SessionHints(priority=1000),
         SessionHints(priority=True),
         SessionHints(pin_ttl_s=5.0, release=True),
+        SessionHints(expected_return_s=-1.0),
+        SessionHints(expected_return_s=0.0),
+        SessionHints(expected_return_s=math.nan),
+        SessionHints(expected_return_s=math.inf),
+        SessionHints(expected_return_s=1e9),
+        SessionHints(expected_return_s=True),
+        SessionHints(expected_return_s="5"),
+        SessionHints(expected_return_s=5.0, release=True),
     ],
 )
 def test_hostile_hints_are_refused_and_change_nothing(roomy, hints):
@@ -226,7 +234,8 @@ def test_hostile_hints_are_refused_and_change_nothing(roomy, hints):
         roomy.add_turn(sid, prompt(2, 6), GREEDY, hints=hints)
     after = roomy.session_info(sid)
     assert after.turn_index == before.turn_index and after.state == "idle"
-    assert roomy.chains.chains[sid].pinned_until == 0.0 and not roomy.has_unfinished()
+    chain = roomy.chains.chains[sid]
+    assert chain.pinned_until == 0.0 and chain.expected_at is None and not roomy.has_unfinished()
 
 
 # --- the timing record -------------------------------------------------------------------------------

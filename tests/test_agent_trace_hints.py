@@ -1,8 +1,9 @@
 """benchmarks/agent_trace.py's ``+hints`` configurations send agent hints where an agent framework
 would: a priority with every turn, a pin with every turn a tool result follows (TTL: the tool's run
-time plus slack), a release with the last turn, before the session ends; a refused pin is dropped
-and the turn sent again. The trace runs against a recording client that builds each TurnRequest
-with the real client code and reads its hints back with the sidecar's own parser. No model: fast."""
+time plus slack) and the tool's run time as its expected return, a release with the last turn,
+before the session ends; a refused pin is dropped (the expected return kept) and the turn sent
+again. The trace runs against a recording client that builds each TurnRequest with the real client
+code and reads its hints back with the sidecar's own parser. No model: fast."""
 
 from __future__ import annotations
 
@@ -66,7 +67,10 @@ def test_hinted_sessions_pin_while_each_tool_runs_and_release_at_the_end():
         mine = [c for c in client.calls if c[1] == sid]
         assert [c[0] for c in mine] == ["turn"] * 4 + ["end"]  # the release comes before the session ends
         for k, (_, _, hints) in enumerate(mine[:3]):
-            assert hints == SessionHints(priority=3, pin_ttl_s=pytest.approx(thinks[s][k + 1] + 0.5)), k
+            tool_s = thinks[s][k + 1]
+            assert hints == SessionHints(
+                priority=3, pin_ttl_s=pytest.approx(tool_s + 0.5), expected_return_s=pytest.approx(tool_s)
+            ), k
         assert mine[3][2] == SessionHints(priority=3, release=True)
     assert all(r["hints"]["pin_refused"] is False for r in rows)
     assert sorted((r["turn"], r["hints"]["release"]) for r in rows if r["hints"]["pin_ttl_s"] is None) == [
@@ -89,13 +93,18 @@ def test_a_refused_pin_is_dropped_and_the_turn_sent_again():
     assert len(refused) == 1
     sid = refused[0][1]
     again = client.calls[client.calls.index(refused[0]) + 1 :]
-    assert next(c for c in again if c[1] == sid) == ("turn", sid, SessionHints(priority=3))
+    sent = next(c for c in again if c[1] == sid)[2]  # the pin dropped, the expected return kept
+    assert sent == SessionHints(priority=3, expected_return_s=refused[0][2].expected_return_s)
+    assert sent.expected_return_s is not None
     assert sum(r["hints"]["pin_refused"] for r in rows) == 1 and len(rows) == 8
 
 
 def test_pins_stay_within_the_servers_longest_and_are_off_when_it_allows_none():
-    assert HintPolicy(1, 5.0, 2.0).for_turn(0, [0.0, 9.0, 0.0]) == TurnHints(priority=1, pin_ttl_s=2.0)
-    assert HintPolicy(1, 5.0, 0.0).for_turn(0, [0.0, 9.0, 0.0]) == TurnHints(priority=1)
+    assert HintPolicy(1, 5.0, 2.0).for_turn(0, [0.0, 9.0, 0.0]) == TurnHints(
+        priority=1, pin_ttl_s=2.0, expected_return_s=9.0
+    )
+    assert HintPolicy(1, 5.0, 0.0).for_turn(0, [0.0, 9.0, 0.0]) == TurnHints(priority=1, expected_return_s=9.0)
+    assert HintPolicy(1, 5.0, 0.0).for_turn(0, [0.0, 0.0, 0.0]) == TurnHints(priority=1)  # no tool time to say
     assert HintPolicy(None, 5.0, 60.0).for_turn(2, [0.0, 9.0, 0.0]) == TurnHints(release=True)
     client = RecordingClient()
     replay("dense+hints", client, max_pin_ttl_s=0.5)
@@ -121,5 +130,9 @@ def test_client_hint_options_reach_the_request_as_the_sidecar_reads_them():
     assert session_hints(from_proto(req)) == SessionHints(priority=-4, pin_ttl_s=12.5)
     assert session_hints(from_proto(build_turn_request("s", [], release=True))) == SessionHints(release=True)
     assert session_hints(from_proto(build_turn_request("s", [], release=False))) is None
+    back = build_turn_request("s", [], pin_ttl_s=2.0, expected_return_s=6.5)
+    assert session_hints(from_proto(back)) == SessionHints(pin_ttl_s=2.0, expected_return_s=6.5)
     with pytest.raises(ValueError):
         build_turn_request("s", [], pin_ttl_s=1.0, release=True)
+    with pytest.raises(ValueError):
+        build_turn_request("s", [], expected_return_s=1.0, release=True)

@@ -3,7 +3,7 @@
 Turns stream typed deltas and end in a TurnResult with the session's typed info; an unfinished
 turn is rolled back by release_turn; fork, prune (a span, or the rule), snapshot and load go
 through it; a failing engine step reaches the stream as EngineFailed; another thread reads the
-engine's counters through it.
+engine's counters through it; the idle thread wakes to prefetch a session whose agent is due back.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from engine.chain import SessionNotFound
+from engine.chain import SessionHints, SessionNotFound
 from engine.prune_rule import PruneRuleError
 from engine.sampling import SamplingParams
 from engine.api import EngineStats, SessionInfo, TurnSpec
@@ -142,6 +142,36 @@ def test_another_thread_reads_the_counters_through_the_engine_thread(engine):
 
     client = serve(engine, body)
     assert client.stats_blocking(timeout=1) is None  # stopped: no answer, no wait
+
+
+def test_an_idle_engine_thread_wakes_to_prefetch_a_session_its_agent_is_due_back_to(engine):
+    """Nothing runs and no command comes: the thread sleeps until the session falls due (its expected
+    return less ``prefetch_lead_s``, 1 s here) and brings it back onto the GPU by itself."""
+    tiers = engine.chains.tiers
+
+    async def body(client):
+        spec = TurnSpec(
+            list(PROMPT), SamplingParams(max_tokens=4, ignore_eos=True), hints=SessionHints(expected_return_s=2.5)
+        )
+        stream = await client.start_turn("tool", spec, new_session=True)
+        async for _ in stream:
+            pass
+        before = tiers.prefetches
+
+        def demote() -> str:  # memory pressure while the tool runs
+            tiers.demote(engine.chains.chains["tool"])
+            return engine.session_info("tool").state
+
+        assert await client._thread.call(demote) == "host"
+        for _ in range(600):  # read without a command: a command would wake the thread itself
+            if tiers.prefetches > before:
+                break
+            await asyncio.sleep(0.05)
+        assert (await client.session_info("tool")).state == "idle"
+        _, again = await finish(client, "tool", turn([5, 6, 7]))
+        assert again.source_tier == "gpu"
+
+    serve(engine, body)
 
 
 def test_a_failing_step_reaches_the_turn_as_engine_failed(tiny_models):

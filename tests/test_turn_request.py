@@ -50,7 +50,7 @@ def _full_proto() -> pb.TurnRequest:
         public_prefix=True,
         response_format=pb.ResponseFormat(type="regex", regex="a+"),
         tool_choice=pb.ToolChoice(mode="function", function_name="f"),
-        agent_hints=pb.AgentHints(priority=3),
+        agent_hints=pb.AgentHints(priority=3, expected_return_s=4.5),
         session_control=pb.SessionControl(action="pin", ttl_seconds=30),
     )
 
@@ -85,7 +85,7 @@ def test_from_proto_keeps_every_field():
         public_prefix=True,
         response_format=ResponseFormat(type="regex", regex="a+"),
         tool_choice=ToolChoice("function", "f"),
-        agent_hints=AgentHints(3),
+        agent_hints=AgentHints(3, 4.5),
         session_control=SessionControl("pin", 30.0),
         digest=request_digest(req),
     )
@@ -98,7 +98,7 @@ def test_an_unset_optional_field_is_none_and_a_zero_is_kept():
     zero = from_proto(pb.TurnRequest(session_id="s", expected_turn_index=0, temperature=0.0, top_k=0))
     assert (zero.expected_turn_index, zero.temperature, zero.top_k) == (0, 0.0, 0)
     hints = from_proto(pb.TurnRequest(agent_hints=pb.AgentHints(), session_control=pb.SessionControl(action="release")))
-    assert hints.agent_hints == AgentHints(None) and hints.session_control == SessionControl("release", None)
+    assert hints.agent_hints == AgentHints(None, None) and hints.session_control == SessionControl("release", None)
 
 
 def test_parse_turn_reads_the_typed_request_the_same_from_either_front():
@@ -128,11 +128,12 @@ def test_parse_turn_reads_the_typed_request_the_same_from_either_front():
         repetition_penalty=1.5,
         shared_prefix_messages=1,
         public_prefix=True,
-        agent_hints=AgentHints(3),
+        agent_hints=AgentHints(3, 4.5),
         session_control=SessionControl("pin", 30.0),
     )
     http_args = parse_turn(http, Limits())
     assert http_args.params == grpc_args.params and http_args.hints == grpc_args.hints
+    assert grpc_args.hints.expected_return_s == 4.5 and grpc_args.hints.priority == 3
     assert http_args.expected_turn_index == 3 and http_args.shared_prefix_messages == 1 and http_args.public_prefix
     assert [t.name for t in http_args.tools] == ["f"] and http_args.messages[0]["content"] == "hi"
 

@@ -82,6 +82,7 @@ class ChainCache:
             int(config.host_cache_gb * 2**30),
             max_pin_ttl_s=config.max_pin_ttl_s,
             max_pinned_fraction=config.max_pinned_fraction,
+            prefetch_lead_s=config.prefetch_lead_s,
         )
         """The tier moves; what the Scheduler reclaims through."""
 
@@ -149,6 +150,7 @@ class ChainCache:
                 seq.num_cached = 0
             reused = chain.host.meta["num_cached"] if chain.state is ChainState.HOST else seq.num_cached
             seq.counters.reused_tokens = reused
+            self.tiers.turn_started(chain)
         start = len(seq.token_ids) - len(tokens)
         for a, b, r in turn.spans or [(0, len(tokens), turn.role)]:
             if not (0 <= a < b <= len(tokens)):

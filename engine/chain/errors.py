@@ -39,7 +39,8 @@ class ContextFull(SessionError):
 
 class InvalidHint(SessionError):
     """An agent hint out of range: a TTL that is not a finite number of seconds in (0, max_pin_ttl_s],
-    a priority outside [-MAX_PRIORITY, MAX_PRIORITY] (INVALID_ARGUMENT)."""
+    a priority outside [-MAX_PRIORITY, MAX_PRIORITY], an expected return outside (0,
+    MAX_EXPECTED_RETURN_S], a release with a pin or an expected return (INVALID_ARGUMENT)."""
 
 
 class PinLimit(SessionError):

@@ -102,6 +102,12 @@ class Chain:
     not demoted from the GPU."""
     hints: Any = None
     """The running (or last) turn's SessionHints, applied when the turn ends."""
+    expected_at: float | None = None
+    """Agent hints: when (``ChainTiers.clock``) the agent expects its next turn (the last turn's
+    ``expected_return_s`` after it ended); a chain in host memory is prefetched onto the GPU shortly
+    before. None: not said, or already prefetched, or the turn has come."""
+    prefetched: bool = False
+    """Brought back onto the GPU ahead of its next turn (``ChainTiers.prefetch``); cleared when it comes."""
     priority: int = 0
     """Agent hints: idle chains of lower priority are demoted first; its turns are admitted first."""
     _hash: Any = field(default_factory=hashlib.sha256)

@@ -5,8 +5,10 @@ idle chains (lowest eviction priority first, then lowest agent-hint priority, th
 used; a pinned one not while its pin holds) to host RAM when the pool or the cache slots run short,
 swaps a preempted running session's KV out to host memory, and restores a chain's host copy when
 its sequence is admitted again. Past ``host_cache_gb`` host copies are dropped in the same order
-to the token history alone (the next turn re-prefills it). It also measures what the GPU tier
-holds of each span of a chain's history (``span_kv_tokens``, for cache inspection).
+to the token history alone (the next turn re-prefills it). A chain in host memory whose agent said
+when it would be back (the ``expected_return_s`` hint) is prefetched onto the GPU shortly before
+then, into pages no admitted or waiting turn needs (``prefetch``). It also measures what the GPU
+tier holds of each span of a chain's history (``span_kv_tokens``, for cache inspection).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class ChainTiers:
         *,
         max_pin_ttl_s: float = 0.0,
         max_pinned_fraction: float = 0.0,
+        prefetch_lead_s: float = 0.0,
     ):
         self.chains = chains
         """The session chains (shared with the ChainCache that owns them)."""
@@ -55,11 +58,17 @@ class ChainTiers:
         self.host_limit = host_limit
         self.max_pin_ttl_s = max_pin_ttl_s
         self.max_pinned_fraction = max_pinned_fraction
+        self.prefetch_lead_s = prefetch_lead_s
+        """A chain is prefetched from this many seconds before its agent's expected return."""
         self.clock = time.monotonic
-        """What pins expire by (a test may set another)."""
+        """What pins expire and prefetches fall due by (a test may set another)."""
         self.host_bytes = 0
         self.demotions = 0
         self.swaps = 0
+        self.prefetches = 0
+        """Chains brought back from host memory ahead of their next turn."""
+        self.prefetch_hits = 0
+        """... whose next turn found them still on the GPU."""
 
     # --- the scheduler's side (Reclaimer) ---------------------------------------------------------
     def reclaim(self, pages: int) -> int:
@@ -189,17 +198,70 @@ class ChainTiers:
                 f"{held + need} pages; at most {limit} ({self.max_pinned_fraction:g} of the pool) may be pinned"
             )
 
+    def turn_started(self, chain: Chain) -> None:
+        """A turn starts on the chain: the return its last turn announced has come (a prefetch that
+        brought it back is a hit when it is still on the GPU)."""
+        if chain.prefetched and chain.state is ChainState.IDLE:
+            self.prefetch_hits += 1
+        chain.expected_at, chain.prefetched = None, False
+
     def after_turn(self, chain: Chain, hints: SessionHints | None) -> None:
         """A turn ended normally: its pin starts (its TTL from now), or a release ends any pin and
-        demotes the idle chain to host memory."""
+        demotes the idle chain to host memory; an expected return is noted for ``prefetch``."""
         if hints is None:
             return
+        if hints.expected_return_s is not None:
+            chain.expected_at = self.clock() + hints.expected_return_s
         if hints.release:
             chain.pinned_until = 0.0
             if chain.state is ChainState.IDLE and self.manager.has(chain.session_id):
                 self.demote(chain)
         elif hints.pin_ttl_s is not None:
             chain.pinned_until = self.clock() + hints.pin_ttl_s
+
+    # --- prefetch (the expected_return_s hint) ------------------------------------------------------
+    def _expected(self) -> list[Chain]:
+        """Chains in host memory whose agent said when it would be back, the earliest expected first."""
+        waiting = [c for c in self.chains.values() if c.state is ChainState.HOST and c.expected_at is not None]
+        return sorted(waiting, key=lambda c: c.expected_at)
+
+    def prefetch_due(self) -> bool:
+        """Is a chain in host memory within ``prefetch_lead_s`` of its expected return (or past it)?"""
+        now = self.clock()
+        return any(c.expected_at - self.prefetch_lead_s <= now for c in self._expected())
+
+    def next_prefetch_in(self, now: float | None = None) -> float | None:
+        """Seconds from ``now`` (default: ``clock()``) until the next chain in host memory falls due
+        for a prefetch (None: none will; chains already due are not counted: pages freeing up is
+        what they wait for)."""
+        now = self.clock() if now is None else now
+        ahead = [c.expected_at - self.prefetch_lead_s - now for c in self._expected()]
+        ahead = [t for t in ahead if t > 0]
+        return min(ahead) if ahead else None
+
+    def prefetch(self, pages: int, slots: int, limit: int | None = None) -> int:
+        """Bring chains in host memory that are due (the earliest expected first) back onto the GPU
+        while they fit in ``pages`` spare pages and ``slots`` spare cache slots, at most ``limit``
+        of them; nothing is demoted or reclaimed to make room. A chain that does not fit waits while
+        smaller ones after it are brought back. Each is prefetched once per announced return; it
+        keeps its place in ``demotion_order``, so work that needs the pages again takes them back
+        first. Returns the chains prefetched."""
+        now = self.clock()
+        done = 0
+        for chain in self._expected():
+            if (limit is not None and done >= limit) or slots <= 0:
+                break
+            if chain.expected_at - self.prefetch_lead_s > now:
+                break  # the rest are expected later still
+            need = self.restore_pages(chain.seq, allow_idle=True)
+            if need <= 0 or need > pages or need > self.manager.pool.num_free:
+                continue  # nothing to copy back, or no room for it now
+            self.restore(chain.seq)
+            chain.state = ChainState.IDLE
+            chain.expected_at, chain.prefetched = None, True
+            pages, slots, done = pages - need, slots - 1, done + 1
+            self.prefetches += 1
+        return done
 
     # --- moves ------------------------------------------------------------------------------------
     def _idle(self) -> list[Chain]:

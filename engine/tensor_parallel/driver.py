@@ -37,6 +37,7 @@ REPLICATED = (
     "snapshot_session",
     "add_prefilled_request",
     "step",
+    "prefetch",
 )
 """LLMEngine methods every rank runs (the rest only read rank 0's state)."""
 _STOP = "__stop__"
@@ -93,6 +94,11 @@ class TensorParallelEngine:
         if name in REPLICATED:
             return lambda *args, **kwargs: self._call(name, *args, **kwargs)
         return getattr(self.engine, name)
+
+    def next_prefetch_in(self) -> float | None:
+        """LLMEngine.next_prefetch_in on the wall clock: rank 0's pin clock holds the time of the last
+        replicated call (``execute``), and this read is not one."""
+        return self.engine.chains.tiers.next_prefetch_in(time.monotonic())
 
     def generate(self, prompts, params=None, method=None):
         """LLMEngine.generate, each of its calls replicated."""

@@ -4,8 +4,8 @@
 Sampling (temperature, top_p, presence/frequency/repetition penalties, seed, stop, the max tokens), function tools, ``tool_choice``, the JSON
 output formats and the ``chainkv`` extension field (``extra_body={"chainkv": {"method": "snapkv",
 "budget": 1024}}``: the session's method, checked by the same code as the gRPC Turn's), and Dynamo's
-``nvext`` agent hints (``{"nvext": {"agent_hints": {"priority": 5}, "session_control": {"action": "pin",
-"ttl_seconds": 30}}}``). Anything
+``nvext`` agent hints (``{"nvext": {"agent_hints": {"priority": 5, "expected_return_s": 4}, "session_control":
+{"action": "pin", "ttl_seconds": 30}}}``). Anything
 out of range is a 400 naming the field; nothing reaches the engine unchecked.
 """
 
@@ -147,14 +147,15 @@ def set_extension(req: TurnRequest, body: dict) -> None:
         req.method_args[str(k)[:128]] = (json.dumps(v) if isinstance(v, bool) else str(v))[:1024]
 
 
-AGENT_HINT_FIELDS = ("priority",)
+AGENT_HINT_FIELDS = ("priority", "expected_return_s")
 SESSION_CONTROL_FIELDS = ("action", "ttl_seconds")
 
 
 def set_agent_hints(req: TurnRequest, body: dict) -> None:
-    """Dynamo's ``nvext`` request extension: ``agent_hints.priority`` and ``session_control`` (``action``
-    "pin" with ``ttl_seconds``, or "release"), set on the Turn's AgentHints / SessionControl (whose
-    checks, the same as gRPC's, follow)."""
+    """Dynamo's ``nvext`` request extension: ``agent_hints`` (``priority``; ``expected_return_s``, this
+    server's: when the agent expects its next turn) and ``session_control`` (``action`` "pin" with
+    ``ttl_seconds``, or "release"), set on the Turn's AgentHints / SessionControl (whose checks, the
+    same as gRPC's, follow)."""
     ext = body.get("nvext")
     if ext is None:
         return
@@ -169,7 +170,8 @@ def set_agent_hints(req: TurnRequest, body: dict) -> None:
     hints = _object(ext, "agent_hints", AGENT_HINT_FIELDS)
     if hints is not None:
         priority = integer(hints, "priority", -MAX_PRIORITY, MAX_PRIORITY, prefix="nvext.agent_hints.")
-        req.agent_hints = AgentHints(priority)
+        back = number(hints, "expected_return_s", 0.0, 1e12, lo_open=True, prefix="nvext.agent_hints.")
+        req.agent_hints = AgentHints(priority, back)
     control = _object(ext, "session_control", SESSION_CONTROL_FIELDS)
     if control is not None:
         action = control.get("action", "")

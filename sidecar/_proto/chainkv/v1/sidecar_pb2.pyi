@@ -163,10 +163,12 @@ class TurnRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., expected_turn_index: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., method: _Optional[str] = ..., budget: _Optional[int] = ..., budget_ratio: _Optional[float] = ..., method_args: _Optional[_Mapping[str, str]] = ..., shared_prefix_messages: _Optional[int] = ..., public_prefix: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., agent_hints: _Optional[_Union[AgentHints, _Mapping]] = ..., session_control: _Optional[_Union[SessionControl, _Mapping]] = ...) -> None: ...
 
 class AgentHints(_message.Message):
-    __slots__ = ("priority",)
+    __slots__ = ("priority", "expected_return_s")
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_RETURN_S_FIELD_NUMBER: _ClassVar[int]
     priority: int
-    def __init__(self, priority: _Optional[int] = ...) -> None: ...
+    expected_return_s: float
+    def __init__(self, priority: _Optional[int] = ..., expected_return_s: _Optional[float] = ...) -> None: ...
 
 class SessionControl(_message.Message):
     __slots__ = ("action", "ttl_seconds")
