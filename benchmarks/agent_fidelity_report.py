@@ -39,7 +39,7 @@ def section(d: dict, stem: str) -> str:
     ]
     fmt = lambda s: dict(  # noqa: E731
         s,
-        recall="yes" if s["recall"] else "no",
+        recall=_recall_label(s),
         exact_match=percent(s["exact_match"]),
         kv_fraction=percent(s["kv_fraction"]),
         cold_fraction=percent(s["cold_fraction"]),
@@ -58,7 +58,7 @@ def section(d: dict, stem: str) -> str:
     for s in d["summary"]:
         if s["method"] == "dense":
             continue
-        name = s["method"] + ("+recall" if s["recall"] else "")
+        name = s["method"] + ("+recall" + _args(s) if s["recall"] else "")
         series.setdefault(name, {})[s["budget"]] = s["agreement"]
     series = {k: [v.get(b, 0.0) for b in budgets] for k, v in series.items() if len(v) == len(budgets)}
     if series and len(budgets) >= 2:
@@ -74,3 +74,14 @@ def section(d: dict, stem: str) -> str:
         )
         parts.append(f"![agreement with dense by budget](../benchmarks/results/{name})")
     return "\n\n".join(parts)
+
+
+def _args(s: dict) -> str:
+    """A recall variant's parameters, as the harness names its configuration (empty: the defaults)."""
+    args = s.get("recall_args") or {}
+    return f"[{','.join(f'{k}={v}' for k, v in sorted(args.items()))}]" if args else ""
+
+
+def _recall_label(s: dict) -> str:
+    """``no``, ``yes`` (the defaults) or ``yes [name=value,...]``: rows of several variants differ."""
+    return ("yes " + _args(s)).strip() if s["recall"] else "no"
