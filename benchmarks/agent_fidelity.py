@@ -2,9 +2,10 @@
 
 Transcripts (benchmarks/agent_transcripts.py): a coding agent's session, tool calls whose outputs are
 the repository's own code, benchmark JSON, logs and docs as search results, then user questions about
-earlier tool outputs. Dense on the chain writes the replies first; every configuration then runs the
-same transcript in process (``LLMEngine.add_turn``), teacher-forced on the decode path to dense's
-replies (benchmarks/fidelity_measures.py), and is measured against dense on the question turns:
+earlier tool outputs (the files change with the repository, so the result records its ``commit``).
+Dense on the chain writes the replies first; every configuration then runs the same transcript in
+process (``LLMEngine.add_turn``), teacher-forced on the decode path to dense's replies
+(benchmarks/fidelity_measures.py), and is measured against dense on the question turns:
 
   agreement         the share of reply positions where the configuration's argmax is dense's token
   attention recall  the share of dense's attention (reply queries over the context) on positions the
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -156,6 +158,16 @@ def make_engine(args, max_model_len: int) -> LLMEngine:
     )
 
 
+def _commit() -> str | None:
+    """The checkout's commit: the transcripts are built from the repository's own files, so a result
+    is reproduced at the commit it was taken at (None outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def print_table(result: dict) -> None:
     print(f"{'config':<34} {'agree':>6} {'att dev':>8} {'att held':>8} {'EM':>5} {'KV':>5} {'cold':>5}")
     for s in result["summary"]:
@@ -222,6 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
         "description": "benchmarks/agent_fidelity.py: agent transcripts (tool outputs of the repo's code, JSON, "
         "logs, docs) through the engine's chain API, each configuration teacher-forced to dense's replies.",
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + (argv if argv is not None else sys.argv[1:])),
+        "commit": _commit(),
         "model": args.model,
         "size": args.size,
         "samples": args.samples,
