@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from engine.config import EngineConfig
-    from sidecar.integrity import SnapshotKeys
+    from sidecar.store.integrity import SnapshotKeys
     from sidecar.options import ServerOptions
     from sidecar.store import SessionStore
 
@@ -43,7 +43,7 @@ class ServeSetup:
 def prepare_serve(args: argparse.Namespace) -> tuple[ServeSetup, SessionStore | None] | int:
     """The setup and the opened store of ``chainkv serve ARGS``, or an exit code after printing why not."""
     from sidecar.endpoint import check_tls_files
-    from sidecar.integrity import load_keys
+    from sidecar.store.integrity import load_keys
     from sidecar.logs import setup_logging
     from sidecar.ports import check_free
     from sidecar.serve_config import load_serve_settings

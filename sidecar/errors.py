@@ -32,7 +32,7 @@ from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.auth import Unauthenticated
 from sidecar.chat import ChatError
 from sidecar.engine_client import EngineFailed
-from sidecar.integrity import SnapshotRejected
+from sidecar.store.integrity import SnapshotRejected
 from sidecar.limits import QuotaExceeded, TurnTooLarge
 from sidecar.protocol import InvalidRequest
 from sidecar.session_ids import BadSessionId

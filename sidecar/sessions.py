@@ -43,8 +43,8 @@ from sidecar.session_record import Running, Session, recorded_in
 from sidecar.snapshot_codec import join_snapshot
 from sidecar.snapshots import SnapshotWriter
 from sidecar.store import SessionStore, StoredSession, StoreUnavailable
-from sidecar.transcript_index import StoredTranscripts
-from sidecar import transcript_index
+from sidecar.store.transcript_index import StoredTranscripts
+from sidecar.store import transcript_index
 
 log = logging.getLogger(__name__)
 
@@ -419,7 +419,7 @@ class SessionManager:
         return await asyncio.to_thread(self.store.load, key, False)
 
     def transcripts(self, front_key: str, turn_key: str) -> StoredTranscripts | None:
-        """The store's transcript index (sidecar/transcript_index.py), fed by each committed snapshot;
+        """The store's transcript index (sidecar/store/transcript_index.py), fed by each committed snapshot;
         None without a store and its writer, or for a store kind without an index."""
         if self.store is None or self.writer is None:
             return None

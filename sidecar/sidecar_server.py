@@ -34,7 +34,7 @@ from sidecar.session_janitor import janitor_loop
 from sidecar.sessions import SessionManager, StoreBehind
 from sidecar.snapshots import SnapshotWriter
 from sidecar.store import SessionStore, StoreUnavailable
-from sidecar.store_health import StoreHealth
+from sidecar.store.health import StoreHealth
 from sidecar.turns import TurnRunner
 from sidecar.validation import BYTES_PER_TOKEN
 

@@ -30,7 +30,7 @@ from sidecar.engine_client import EngineClient
 from sidecar.session_record import Session
 from sidecar.snapshot_codec import join_snapshot, split_snapshot
 from sidecar.store import GenerationConflict, SessionStore, StoredSession, StoreError, StoreUnavailable
-from sidecar.store_health import StoreHealth
+from sidecar.store.health import StoreHealth
 
 __all__ = ["SnapshotWriter", "join_snapshot", "split_snapshot"]  # the codec's home: sidecar.snapshot_codec
 

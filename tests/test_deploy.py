@@ -102,7 +102,7 @@ def test_configured_settings_are_what_chainkv_reads(rendered, tmp_path):
     """The ConfigMap's chainkv.yaml goes through the same loader as ``chainkv serve --config``
     (unknown keys fail), with the env the Deployment sets pointing at the Secret's files."""
     from sidecar.cli import build_parser
-    from sidecar.integrity import SnapshotKeys
+    from sidecar.store.integrity import SnapshotKeys
     from sidecar.serve_config import load_serve_settings
 
     overlay, objs = rendered

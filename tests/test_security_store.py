@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sidecar.integrity import SnapshotKeys, SnapshotRejected
+from sidecar.store.integrity import SnapshotKeys, SnapshotRejected
 from sidecar.session_ids import BadSessionId, check_id, scoped_key
 from sidecar.session_record import Session
 from sidecar.snapshots import SnapshotWriter, store_regressed

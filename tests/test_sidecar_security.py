@@ -46,7 +46,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import engine.sampling as sampling
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
-from sidecar.integrity import SnapshotKeys, SnapshotRejected
+from sidecar.store.integrity import SnapshotKeys, SnapshotRejected
 from sidecar.store import DirectoryStore, RedisStore, StoredSession
 
 C = grpc.StatusCode

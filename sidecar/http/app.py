@@ -33,7 +33,7 @@ from sidecar.http.errors import OpenAIError
 from sidecar.http.requests import body_object
 from sidecar.http.responses_api import Responses
 from sidecar.ports import bind
-from sidecar.store_errors import StoreUnavailable
+from sidecar.store.errors import StoreUnavailable
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.server import SidecarServer

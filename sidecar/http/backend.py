@@ -26,7 +26,7 @@ from sidecar.session_ids import scoped_key
 from sidecar.session_record import Session
 from sidecar.structured import OutputSpecError
 from sidecar.store import StoredSession
-from sidecar.transcript_index import Found, StoredTranscripts
+from sidecar.store.transcript_index import Found, StoredTranscripts
 from sidecar.turn_request import TurnRequest
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class SessionBackend:
         """The store's copy of the session when it is at ``at_least`` turns or more, that is ahead of this
         replica's (another replica ran the later turns); None when the store has nothing that far."""
         from engine.api import SessionError
-        from sidecar.store_errors import StoreError
+        from sidecar.store.errors import StoreError
 
         if not self.server.sessions.has_store:
             return None
@@ -126,7 +126,7 @@ class SessionBackend:
         """``s.front`` changed between turns (a deleted response): the store gets it at the session's
         generation; with durability sync before this returns (StoreUnavailable if it could not be
         written), else behind it. A running turn's own snapshot carries it instead."""
-        from sidecar.store_errors import StoreUnavailable
+        from sidecar.store.errors import StoreUnavailable
 
         s.front_changed()
         if self.server.options.durability != "sync" or s.busy:
@@ -164,13 +164,13 @@ class SessionBackend:
 
     # --- the transcript index in the store -----------------------------------------------------------
     def stored_transcripts(self, front_key: str, turn_key: str) -> StoredTranscripts | None:
-        """The store's transcript index (sidecar/transcript_index.py), fed by each committed snapshot;
+        """The store's transcript index (sidecar/store/transcript_index.py), fed by each committed snapshot;
         None without a store (or a writer, or for a store kind without an index: this replica's memory only)."""
         return self.server.sessions.transcripts(front_key, turn_key)
 
     async def find_transcript(self, index: StoredTranscripts, tenant: str, digests: list[bytes]) -> Found | None:
         """``index.find`` off the event loop; a store that cannot be reached finds nothing."""
-        from sidecar.store_errors import StoreError, StoreUnavailable
+        from sidecar.store.errors import StoreError, StoreUnavailable
 
         try:
             return await asyncio.to_thread(index.find, tenant, digests)

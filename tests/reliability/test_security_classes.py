@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-from sidecar.integrity import SnapshotKeys
+from sidecar.store.integrity import SnapshotKeys
 from sidecar.store import DirectoryStore, RedisStore, SnapshotRolledBack, StoredSession
 
 from redis_server import RedisProcess

@@ -41,7 +41,7 @@ import msgpack
 
 from sidecar.session_ids import BadSessionId, SessionKey
 from sidecar.store import DirectoryStore, RedisStore, SessionStore, StoredSession
-from sidecar.store_errors import StoreError, StoreUnavailable
+from sidecar.store.errors import StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
-"""The session store's errors, apart from the stores (sidecar/store/) and the integrity layer
-(sidecar/integrity.py), which both raise them: neither imports the other for them."""
+"""The session store's errors, in a module of their own: the stores (base.py and the two
+implementations) and the integrity layer (integrity.py) both raise them, and neither imports the
+other for them."""
 
 from __future__ import annotations
 

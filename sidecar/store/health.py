@@ -20,7 +20,7 @@ import time
 from typing import Callable
 
 from sidecar.store import SessionStore
-from sidecar.store_errors import StoreError
+from sidecar.store.errors import StoreError
 
 log = logging.getLogger(__name__)
 

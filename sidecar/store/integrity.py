@@ -30,7 +30,7 @@ import msgpack
 
 from sidecar.store import Checksum
 from sidecar.session_ids import SessionKey
-from sidecar.store_errors import SnapshotRejected
+from sidecar.store.errors import SnapshotRejected
 
 MIN_KEY_BYTES = 16
 MAC_FIELD = "mac"
