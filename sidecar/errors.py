@@ -31,7 +31,7 @@ from sidecar.structured import OutputSpecError
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.auth import Unauthenticated
 from sidecar.chat import ChatError
-from sidecar.engine_client import EngineFailed
+from sidecar.engine_bridge.client import EngineFailed
 from sidecar.store.integrity import SnapshotRejected
 from sidecar.limits import QuotaExceeded, TurnTooLarge
 from sidecar.protocol import InvalidRequest

@@ -12,7 +12,7 @@ import grpc
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sidecar.engine_client import EngineClient
+    from sidecar.engine_bridge.client import EngineClient
 
 
 class ServerHooks:

@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-from sidecar.engine_client import EngineClient
+from sidecar.engine_bridge.client import EngineClient
 from sidecar.hooks import ServerHooks
 
 if TYPE_CHECKING:  # pragma: no cover

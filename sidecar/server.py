@@ -10,8 +10,8 @@ This module is the sidecar's front door; the parts live one concept to a file:
 - ``sidecar.options.ServerOptions``: the settings;
 - ``sidecar.sidecar_server.SidecarServer``: the parts put together, started and stopped in order;
 - ``sidecar.server_thread.ServerThread``: a SidecarServer on a background thread;
-- ``sidecar.engine_client.EngineClient``: the only door to the engine thread (typed results in
-  ``sidecar.engine_results``);
+- ``sidecar.engine_bridge.client.EngineClient``: the only door to the engine thread (typed results in
+  ``sidecar.engine_bridge.results``);
 - ``sidecar.service.SidecarService``: the servicer; ``sidecar.turns.TurnRunner``: one Turn's life,
   from the typed ``sidecar.turn_request.TurnRequest`` both fronts build;
 - ``sidecar.errors.status_for``: exceptions -> status codes;

@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 from engine.api import METHODS, PruneRuleError, SessionExists, SessionInfo, SessionNotFound, check_policy, check_span
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.endpoint import SERVICE
-from sidecar.engine_client import EngineClient, PruneSpec
+from sidecar.engine_bridge.client import EngineClient, PruneSpec
 from sidecar.errors import Draining, status_for, trailing_metadata_for
 from sidecar.hooks import ServerHooks
 from sidecar.logs import bind_request

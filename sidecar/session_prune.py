@@ -10,8 +10,8 @@ marked dirty and the hooks told. The session is released whatever happens.
 from __future__ import annotations
 
 from engine.api import SessionNotFound
-from sidecar.engine_client import EngineClient, PruneSpec
-from sidecar.engine_results import PruneResult
+from sidecar.engine_bridge.client import EngineClient, PruneSpec
+from sidecar.engine_bridge.results import PruneResult
 from sidecar.hooks import ServerHooks
 from sidecar.session_ids import SessionKey
 from sidecar.sessions import SessionManager

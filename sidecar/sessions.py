@@ -36,7 +36,7 @@ import logging
 import time
 import weakref
 from engine.api import MethodError, SessionBusy, SessionError, SessionInfo, SessionNotFound, TurnIndexMismatch
-from sidecar.engine_client import EngineClient
+from sidecar.engine_bridge.client import EngineClient
 from sidecar.ended_sessions import EndedSessions
 from sidecar.session_ids import SessionKey
 from sidecar.session_record import Running, Session, recorded_in

@@ -26,7 +26,7 @@ import time
 from engine.api import LLMEngine
 from sidecar.chat import ChatRenderer
 from sidecar.endpoint import NOT_SERVING, SERVING, GrpcEndpoint
-from sidecar.engine_client import EngineClient
+from sidecar.engine_bridge.client import EngineClient
 from sidecar.hooks import ServerHooks
 from sidecar.options import ServerOptions
 from sidecar.service import SidecarService

@@ -26,7 +26,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from engine.api import SessionBusy, SessionNotFound
-from sidecar.engine_client import EngineClient
+from sidecar.engine_bridge.client import EngineClient
 from sidecar.session_record import Session
 from sidecar.snapshot_codec import join_snapshot, split_snapshot
 from sidecar.store import GenerationConflict, SessionStore, StoredSession, StoreError, StoreUnavailable

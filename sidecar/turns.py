@@ -36,8 +36,8 @@ from typing import AsyncIterator, Callable
 from engine.api import CapacityError, ConstraintError, SessionError, SessionInfo, TurnSpec
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.chat import ChatRenderer, tools_digest
-from sidecar.engine_client import EngineClient
-from sidecar.engine_results import TurnResult
+from sidecar.engine_bridge.client import EngineClient
+from sidecar.engine_bridge.results import TurnResult
 from sidecar.errors import SequenceFailed, TurnAborted
 from sidecar.hooks import ServerHooks
 from sidecar.limits import QuotaExceeded, TenantLimits

@@ -216,7 +216,7 @@ def test_regression_is_told_apart_from_a_newer_replica():
 
 
 class _FakeEngineClient:
-    """The writer's view of the engine (sidecar.engine_client.EngineClient): a fixed session snapshot."""
+    """The writer's view of the engine (sidecar.engine_bridge.client.EngineClient): a fixed session snapshot."""
 
     def __init__(self, generation: int, turn: int):
         from engine.cache.snapshot import SessionSnapshot

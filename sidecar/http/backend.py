@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, AsyncIterator, Mapping
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.http.errors import invalid
-from sidecar.engine_client import PruneSpec
+from sidecar.engine_bridge.client import PruneSpec
 from engine.api import SessionInfo
-from sidecar.engine_results import PruneResult
+from sidecar.engine_bridge.results import PruneResult
 from sidecar.server import Draining
 from sidecar.session_prune import prune_session
 from sidecar.session_ids import scoped_key

@@ -31,7 +31,7 @@ import math
 from typing import Any
 
 from engine.api import PruneRecord, SessionInfo, SessionNotFound
-from sidecar.engine_client import PruneSpec
+from sidecar.engine_bridge.client import PruneSpec
 from sidecar.http import cache_requests as cr
 from sidecar.http import requests as rq
 from sidecar.http.backend import SessionBackend

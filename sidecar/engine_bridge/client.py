@@ -5,7 +5,7 @@ passes and steps it. Everything on the asyncio side (the gRPC servicer, the sess
 snapshot writer, an HTTP front) reaches the engine only through this client's typed async methods.
 Each runs its engine work as a method of the client on the engine thread; what crosses back is
 frozen: the engine's own typed reports (``SessionInfo``, ``EngineStats``: engine/api.py) and the
-values of ``sidecar.engine_results`` the client copies live ``RequestOutput`` objects into, so
+values of ``sidecar.engine_bridge.results`` the client copies live ``RequestOutput`` objects into, so
 nothing on the event loop reads engine state the engine thread may be changing.
 
     client = EngineClient(engine)
@@ -43,8 +43,8 @@ from engine.api import (
     check_span,
     due_spans,
 )
-from sidecar.engine_loop import EngineFailed, EngineLoop
-from sidecar.engine_results import PruneResult, TurnDelta, TurnResult
+from sidecar.engine_bridge.loop import EngineFailed, EngineLoop
+from sidecar.engine_bridge.results import PruneResult, TurnDelta, TurnResult
 
 log = logging.getLogger(__name__)
 

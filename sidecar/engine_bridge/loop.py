@@ -1,5 +1,5 @@
 """EngineLoop: the LLMEngine on its own thread, beside the asyncio gRPC server (used through
-``sidecar.engine_client.EngineClient``, never directly).
+``sidecar.engine_bridge.client.EngineClient``, never directly).
 
 The engine is not thread-safe, so one thread owns it. Between forward passes that thread runs the
 commands the server sends (``call``: add a turn, abort, snapshot, load, fork, ...), then steps the
