@@ -22,7 +22,7 @@ from sidecar.session_ids import SessionKey
 from sidecar.settings import setting
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sidecar.session_record import Session
+    from sidecar.sessions.record import Session
 
 
 class QuotaExceeded(RuntimeError):

@@ -30,7 +30,7 @@ from engine.api import (
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.chat import ROLES, ChatError, ToolSpec, tool_from_json
 from sidecar.session_ids import BadSessionId, check_id
-from sidecar.session_record import Session
+from sidecar.sessions.record import Session
 from sidecar.limits import TurnTooLarge
 from sidecar.settings import setting
 from sidecar.validation import JsonTooDeep, check_turn_bytes, loads_bounded

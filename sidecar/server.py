@@ -17,9 +17,9 @@ This module is the sidecar's front door; the parts live one concept to a file:
 - ``sidecar.errors.status_for``: exceptions -> status codes;
 - ``sidecar.endpoint.GrpcEndpoint``: listening, TLS, health and reflection;
 - ``sidecar.session_ids.SessionKey`` (a tenant's session and its stored key form),
-  ``sidecar.sessions.SessionManager`` (session id -> chain, ordering, idempotency, the store's one
-  owner), ``sidecar.snapshots.SnapshotWriter`` (write-behind snapshots, given to the manager),
-  ``sidecar.session_janitor`` (ending expired and freeing idle sessions), ``sidecar.chat`` and
+  ``sidecar.sessions.manager.SessionManager`` (session id -> chain, ordering, idempotency, the store's one
+  owner), ``sidecar.sessions.snapshots.SnapshotWriter`` (write-behind snapshots, given to the manager),
+  ``sidecar.sessions.janitor`` (ending expired and freeing idle sessions), ``sidecar.chat`` and
   ``sidecar.tool_calls`` (chat in, tool calls out), ``sidecar.auth`` (bearer token -> tenant);
 - ``sidecar.hooks.ServerHooks``: callbacks at each RPC, turn and snapshot, for metrics.
 """

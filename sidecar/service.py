@@ -32,8 +32,8 @@ from sidecar.options import ServerOptions
 from sidecar.protocol import InvalidRequest, session_proto, stored_session_proto
 from sidecar.session_ids import BadSessionId, check_id, scoped_key
 from sidecar.session_prune import prune_session
-from sidecar.session_record import Session
-from sidecar.sessions import SessionManager
+from sidecar.sessions.record import Session
+from sidecar.sessions.manager import SessionManager
 from sidecar.turn_request import from_proto
 from sidecar.turns import TurnRunner
 

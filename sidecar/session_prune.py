@@ -14,7 +14,7 @@ from sidecar.engine_bridge.client import EngineClient, PruneSpec
 from sidecar.engine_bridge.results import PruneResult
 from sidecar.hooks import ServerHooks
 from sidecar.session_ids import SessionKey
-from sidecar.sessions import SessionManager
+from sidecar.sessions.manager import SessionManager
 
 
 async def prune_session(

@@ -30,9 +30,10 @@ from sidecar.engine_bridge.client import EngineClient
 from sidecar.hooks import ServerHooks
 from sidecar.options import ServerOptions
 from sidecar.service import SidecarService
-from sidecar.session_janitor import janitor_loop
-from sidecar.sessions import SessionManager, StoreBehind
-from sidecar.snapshots import SnapshotWriter
+from sidecar.sessions.janitor import janitor_loop
+from sidecar.sessions.loading import StoreBehind
+from sidecar.sessions.manager import SessionManager
+from sidecar.sessions.snapshots import SnapshotWriter
 from sidecar.store import SessionStore, StoreUnavailable
 from sidecar.store.health import StoreHealth
 from sidecar.turns import TurnRunner

@@ -43,8 +43,8 @@ from sidecar.hooks import ServerHooks
 from sidecar.limits import QuotaExceeded, TenantLimits
 from sidecar.protocol import FINISH, TIERS, Limits, TurnArgs, parse_turn, tool_call_proto
 from sidecar.session_ids import SessionKey
-from sidecar.session_record import Running, Session
-from sidecar.sessions import SessionManager
+from sidecar.sessions.record import Running, Session
+from sidecar.sessions.manager import SessionManager
 from sidecar.structured import OutputSpecError, tools_from_meta
 from sidecar.tool_calls import PlainText, ToolCallParser
 from sidecar.turn_request import TurnRequest

@@ -21,7 +21,7 @@ from engine.api import SessionError
 from sidecar.limits import TurnTooLarge
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sidecar.session_record import Session
+    from sidecar.sessions.record import Session
 
 MAX_JSON_DEPTH = 64
 BYTES_PER_TOKEN = 16

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 from sidecar.store.integrity import SnapshotKeys, SnapshotRejected
 from sidecar.session_ids import BadSessionId, check_id, scoped_key
-from sidecar.session_record import Session
-from sidecar.snapshots import SnapshotWriter, store_regressed
+from sidecar.sessions.record import Session
+from sidecar.sessions.snapshots import SnapshotWriter, store_regressed
 from sidecar.store import DirectoryStore, GenerationConflict, RedisStore, SnapshotRolledBack, StoredSession, folder_name
 
 

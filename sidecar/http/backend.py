@@ -23,7 +23,7 @@ from sidecar.engine_bridge.results import PruneResult
 from sidecar.server import Draining
 from sidecar.session_prune import prune_session
 from sidecar.session_ids import scoped_key
-from sidecar.session_record import Session
+from sidecar.sessions.record import Session
 from sidecar.structured import OutputSpecError
 from sidecar.store import StoredSession
 from sidecar.store.transcript_index import Found, StoredTranscripts

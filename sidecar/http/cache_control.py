@@ -40,7 +40,7 @@ from sidecar.http.conversations import transcript_digest
 from sidecar.http.errors import OpenAIError, invalid
 from sidecar.http.prune_jobs import PruneJobs
 from sidecar.session_ids import SessionKey
-from sidecar.session_record import Session
+from sidecar.sessions.record import Session
 from sidecar.store import StoredSession
 from sidecar.turn_request import TurnRequest
 

@@ -1,7 +1,7 @@
 """SessionManager: session id -> the engine's chain, per-session ordering, idempotency, the store.
 
 Session keys (tenant-scoped ids) are ``sidecar.session_ids.SessionKey``; the per-session record the
-manager keeps (``Session``, ``Running``) is ``sidecar.session_record``.
+manager keeps (``Session``, ``Running``) is ``sidecar.sessions.record``.
 
 The store's one owner. Every read of the session store (loading, ``stored``, the transcript index
 built on it) and every write (through its ``SnapshotWriter``, passed in: ``mark_dirty``,
@@ -19,14 +19,11 @@ session's snapshot, so a retry that lands on another replica after a failover is
 A retry that arrives while its first attempt still runs waits for it.
 
 Where a session comes from (``get``): this replica, when it holds the session and nothing says
-its copy is stale; otherwise the store. A client that passes ``expected_turn_index`` ahead of
-the local copy makes the manager look in the store (another replica may have moved the session
-on); a store that is behind the expectation is polled for ``resume_wait_s`` (the write-behind
-snapshot may still be on its way). After that a Turn (``create``) is refused with
-``TurnIndexMismatch`` carrying the turns the session really holds (the turns the client expects
-were lost: a crash under write-behind, a store rolled back), so the client re-sends the messages
-the session lacks; it never runs against the older state. Resume gets UNAVAILABLE (StoreBehind),
-or NOT_FOUND where no copy exists.
+its copy is stale; otherwise the store (loading.py: the committed record, waited for while the
+store is behind the turn a client expects, then loaded into the engine). A Turn whose expected
+turns neither holds is refused with ``TurnIndexMismatch`` carrying the turns the session really
+holds (the turns the client expects were lost: a crash under write-behind, a store rolled back),
+so the client re-sends the messages the session lacks; it never runs against the older state.
 """
 
 from __future__ import annotations
@@ -35,27 +32,18 @@ import asyncio
 import logging
 import time
 import weakref
-from engine.api import MethodError, SessionBusy, SessionError, SessionInfo, SessionNotFound, TurnIndexMismatch
+
+from engine.api import SessionBusy, SessionError, SessionInfo, SessionNotFound
 from sidecar.engine_bridge.client import EngineClient
-from sidecar.ended_sessions import EndedSessions
 from sidecar.session_ids import SessionKey
-from sidecar.session_record import Running, Session, recorded_in
-from sidecar.snapshot_codec import join_snapshot
-from sidecar.snapshots import SnapshotWriter
-from sidecar.store import SessionStore, StoredSession, StoreUnavailable
+from sidecar.sessions.ended import EndedSessions
+from sidecar.sessions.loading import StoreBehind, behind_expected, fetch_committed, load_committed
+from sidecar.sessions.record import Running, Session
+from sidecar.sessions.snapshots import SnapshotWriter
+from sidecar.store import SessionStore, StoredSession, StoreUnavailable, transcript_index
 from sidecar.store.transcript_index import StoredTranscripts
-from sidecar.store import transcript_index
 
 log = logging.getLogger(__name__)
-
-
-class StoreBehind(StoreUnavailable):
-    """The store does not hold the turn the client expects yet (its snapshot may be in flight).
-    ``have``: the turn index it holds (None: no record)."""
-
-    def __init__(self, message: str, have: int | None = None):
-        super().__init__(message)
-        self.have = have
 
 
 class SessionManager:
@@ -124,9 +112,16 @@ class SessionManager:
             if self.store is None:
                 return self._new_or_missing(key, create)
             try:
-                stored = await self._fetch(key, expected_turn_index, deadline, request_id=request_id)
+                stored = await fetch_committed(
+                    self.store,
+                    key,
+                    expected_turn_index,
+                    deadline,
+                    resume_wait_s=self.resume_wait_s,
+                    request_id=request_id,
+                )
             except StoreBehind as e:
-                raise self._behind_expected(key, s, e, expected_turn_index, create) from None
+                raise behind_expected(key, s, e, expected_turn_index, create) from None
             if s is not None and s.in_engine and not s.stale and self.store_behind(s, stored):
                 return s  # this replica holds more than the store: keep it (the store is rewritten)
             if stored is None:
@@ -197,27 +192,6 @@ class SessionManager:
         self.mark_dirty(s.key)  # the writer rewrites the store from this copy
         return True
 
-    @staticmethod
-    def _behind_expected(
-        key: str, local: Session | None, e: StoreBehind, expected: int | None, create: bool
-    ) -> SessionError | StoreUnavailable:
-        """Neither this replica nor the store holds turn ``expected`` after the wait: the error to raise.
-        A Turn (``create``) learns where the session really is: the newer of this replica's copy and the
-        store's (0 where neither has one)."""
-        sid = SessionKey.id_of(key)
-        here = local is not None and local.in_engine and not local.stale
-        if create:
-            have = max(local.turn_index if here else 0, e.have or 0)
-            return TurnIndexMismatch(
-                f"session {sid!r} is at turn {have}, not {expected}: turns were lost (a crash before their "
-                f"snapshot, a store restored from older data); send the messages after its first {have} turns again",
-                have,
-                expected,
-            )
-        if e.have is None and (local is None or not local.in_engine):
-            return SessionNotFound(f"no session {sid!r} at turn {expected} in the store")
-        return e
-
     def _usable(self, s: Session, expected: int | None) -> bool:
         if s.busy:
             return True  # the caller gets ABORTED (or waits for its retried request)
@@ -235,65 +209,11 @@ class SessionManager:
         self._sessions[key] = s
         return s
 
-    async def _fetch(self, key: str, expected: int | None, deadline: float | None, request_id: str = ""):
-        """The committed record (no KV yet), waiting for ``expected`` while the store is behind."""
-        wait_until = time.monotonic() + self.resume_wait_s
-        if deadline is not None:
-            wait_until = min(wait_until, deadline)
-        delay = 0.05
-        while True:
-            stored = await asyncio.to_thread(self.store.load, key, False)
-            if expected is None or expected == 0 and stored is None:
-                return stored
-            have = stored.turn_index if stored is not None else None
-            if have is not None and have > expected and request_id and recorded_in(stored.app, request_id):
-                return stored  # a retry of a turn the store recorded: its reply is replayed
-            if have is not None and have > expected:
-                raise TurnIndexMismatch(
-                    f"session {SessionKey.id_of(key)!r} is at turn {have}, not {expected}", have, expected
-                )
-            if have == expected:
-                return stored
-            if time.monotonic() >= wait_until:
-                raise StoreBehind(
-                    f"the store holds turn {have} of session {SessionKey.id_of(key)!r}, not turn {expected} yet; retry",
-                    have,
-                )
-            await asyncio.sleep(delay)
-            delay = min(0.5, delay * 2)
-
     async def _load(self, key: str) -> Session:
-        """Load a committed session into the engine (its KV if usable, else its history)."""
-        stored = await asyncio.to_thread(self.store.load, key, True)
-        if stored is None:
-            raise SessionNotFound(f"no session {SessionKey.id_of(key)!r}")
-        snap, kv_error = await asyncio.to_thread(join_snapshot, stored)
-        fingerprint = self.engine.model.fingerprint
-        if snap.kv is not None and snap.meta.get("fingerprint") != fingerprint:
-            kv_error = f"the stored KV was made by {snap.meta.get('fingerprint')!r}, this replica is {fingerprint!r}"
-            snap.kv = None
-        snap.meta["session_id"] = key
-        try:
-            info = await self.engine.load(snap)
-        except MethodError as e:  # KV this replica cannot continue: refuse rather than guess
-            raise SessionError(
-                f"session {SessionKey.id_of(key)!r} uses a method this replica cannot run: {e}"
-            ) from None
-        s = Session(
-            key=key,
-            in_engine=True,
-            committed_generation=stored.generation,
-            source_tier="store" if snap.kv is not None else "recompute",
-            snapshot_error=kv_error,
-        )
-        s.load_app_meta(stored.app)
-        s.update(info, self.end_of_turn_id)
-        if s.eviction_priority:
-            await self.engine.set_eviction_priority(key, s.eviction_priority)
+        """Load a committed session into the engine (loading.py) and hold it here."""
+        s = await load_committed(self.engine, self.store, key, self.end_of_turn_id)
         self._sessions[key] = s
-        self.loads["store" if snap.kv is not None else "recompute"] += 1
-        if kv_error:
-            log.warning("session %s: %s; it will be rebuilt from its history", key, kv_error)
+        self.loads[s.source_tier] += 1  # "store" (its KV) or "recompute" (its history)
         return s
 
     async def drop_local(self, s: Session) -> None:
@@ -438,4 +358,4 @@ class SessionManager:
         transcript_index.sweep(self.store)
 
 
-__all__ = ["SessionError", "SessionManager", "StoreBehind"]
+__all__ = ["SessionError", "SessionManager"]

@@ -11,13 +11,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
-from sidecar.options import ServerOptions
-from sidecar.sessions import SessionManager
+from sidecar.sessions.manager import SessionManager
 from sidecar.store import StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
+
+
+class JanitorSettings(Protocol):
+    """What the janitor reads of the server's settings (``ServerOptions`` has both), each pass anew.
+    A protocol rather than ``ServerOptions`` itself: the sessions sit below the server that owns its
+    settings (docs/architecture.md, the sidecar's rooms)."""
+
+    session_idle_s: float
+    session_ttl_s: float
 
 
 async def evict_idle(sessions: SessionManager, idle_s: float) -> int:
@@ -63,7 +71,7 @@ async def expire_idle(sessions: SessionManager, ttl_s: float) -> int:
 
 
 async def janitor_loop(
-    sessions: SessionManager, options: ServerOptions, store_failed: Callable[[BaseException, str], None]
+    sessions: SessionManager, options: JanitorSettings, store_failed: Callable[[BaseException, str], None]
 ) -> None:
     """Run a pass every quarter of the shorter of ``session_idle_s`` and ``session_ttl_s`` (1-60 s).
     ``store_failed``: told when a pass found the store down (logged once a minute)."""

@@ -27,12 +27,12 @@ from typing import Any, Callable, Protocol
 
 from engine.api import SessionBusy, SessionNotFound
 from sidecar.engine_bridge.client import EngineClient
-from sidecar.session_record import Session
-from sidecar.snapshot_codec import join_snapshot, split_snapshot
+from sidecar.sessions.record import Session
+from sidecar.sessions.snapshot_codec import join_snapshot, split_snapshot
 from sidecar.store import GenerationConflict, SessionStore, StoredSession, StoreError, StoreUnavailable
 from sidecar.store.health import StoreHealth
 
-__all__ = ["SnapshotWriter", "join_snapshot", "split_snapshot"]  # the codec's home: sidecar.snapshot_codec
+__all__ = ["SnapshotWriter", "join_snapshot", "split_snapshot"]  # the codec's home: sidecar.sessions.snapshot_codec
 
 log = logging.getLogger(__name__)
 

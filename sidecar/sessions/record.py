@@ -5,7 +5,7 @@ as last seen, what the store holds of it, the tools of its first turn, the front
 (``front``), and the finished turns' completions by ``request_id`` (the idempotency records). All
 but the engine's own record travel with the session's snapshot as its ``app`` metadata
 (``app_meta`` / ``load_app_meta``), so a retry that lands on another replica after a failover is
-recognised too (``recorded_in``). ``sidecar.sessions.SessionManager`` makes, finds and drops them.
+recognised too (``recorded_in``). ``sidecar.sessions.manager.SessionManager`` makes, finds and drops them.
 """
 
 from __future__ import annotations
