@@ -357,7 +357,7 @@ def random_weight_dir(shape: str, tokenizer: Path) -> str:
 def start_sidecar(args):
     from engine.llm import LLMEngine
     from sidecar.engine_args import engine_config_from_args
-    from sidecar.protocol import Limits
+    from sidecar.turns.protocol import Limits
     from sidecar.server import ServerOptions, ServerThread
 
     if args.random_weights:

@@ -27,28 +27,21 @@ from engine.api import (
     TurnIndexMismatch,
 )
 from engine.config import ConfigError
-from sidecar.structured import OutputSpecError
+from sidecar.turns.structured import OutputSpecError
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.auth import Unauthenticated
-from sidecar.chat import ChatError
+from sidecar.turns.chat import ChatError
 from sidecar.engine_bridge.client import EngineFailed
 from sidecar.store.integrity import SnapshotRejected
-from sidecar.limits import QuotaExceeded, TurnTooLarge
-from sidecar.protocol import InvalidRequest
+from sidecar.turns.limits import QuotaExceeded, TurnTooLarge
+from sidecar.turns.protocol import InvalidRequest
+from sidecar.turns.runner import TurnAborted
 from sidecar.session_ids import BadSessionId
 from sidecar.store import SnapshotRolledBack, StoreUnavailable
 
 
 class Draining(RuntimeError):
     """The server is shutting down (UNAVAILABLE: retry on another replica)."""
-
-
-class SequenceFailed(RuntimeError):
-    """The engine failed this turn alone (its sampling or token processing raised); INTERNAL."""
-
-
-class TurnAborted(RuntimeError):
-    """The turn was stopped by something other than its caller (EndSession, a cancelled first attempt)."""
 
 
 _CODES: list[tuple[type[BaseException] | tuple[type[BaseException], ...], grpc.StatusCode]] = [

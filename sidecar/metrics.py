@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.engine_bridge.client import EngineClient
-from sidecar.hooks import ServerHooks
+from sidecar.turns.hooks import ServerHooks
 
 if TYPE_CHECKING:  # pragma: no cover
     from engine.api import EngineStats, LLMEngine

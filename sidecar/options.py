@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass
 
 from sidecar.auth import Authenticator, AuthSettings
-from sidecar.limits import TenantLimits
-from sidecar.protocol import Limits
+from sidecar.turns.limits import TenantLimits
+from sidecar.turns.protocol import Limits
 from sidecar.settings import setting, setting_group
 
 
@@ -34,7 +34,7 @@ class ServerOptions:
     # --- what a request may hold, and who may send it --------------------------------------------------
     limits: Limits = setting_group(Limits)
     tenant_limits: TenantLimits = setting_group(TenantLimits)
-    """Per-tenant quotas: live sessions, tokens per turn, pins (sidecar/limits.py)."""
+    """Per-tenant quotas: live sessions, tokens per turn, pins (sidecar/turns/limits.py)."""
     auth: Authenticator = setting_group(AuthSettings, build=AuthSettings.authenticator)
     """Bearer tokens -> tenants, from ``--auth-token`` and ``--auth-file`` (sidecar/auth.py)."""
 

@@ -12,27 +12,27 @@ This module is the sidecar's front door; the parts live one concept to a file:
 - ``sidecar.server_thread.ServerThread``: a SidecarServer on a background thread;
 - ``sidecar.engine_bridge.client.EngineClient``: the only door to the engine thread (typed results in
   ``sidecar.engine_bridge.results``);
-- ``sidecar.service.SidecarService``: the servicer; ``sidecar.turns.TurnRunner``: one Turn's life,
-  from the typed ``sidecar.turn_request.TurnRequest`` both fronts build;
+- ``sidecar.service.SidecarService``: the servicer; ``sidecar.turns.runner.TurnRunner``: one Turn's life,
+  from the typed ``sidecar.turns.request.TurnRequest`` both fronts build;
 - ``sidecar.errors.status_for``: exceptions -> status codes;
 - ``sidecar.endpoint.GrpcEndpoint``: listening, TLS, health and reflection;
 - ``sidecar.session_ids.SessionKey`` (a tenant's session and its stored key form),
   ``sidecar.sessions.manager.SessionManager`` (session id -> chain, ordering, idempotency, the store's one
   owner), ``sidecar.sessions.snapshots.SnapshotWriter`` (write-behind snapshots, given to the manager),
-  ``sidecar.sessions.janitor`` (ending expired and freeing idle sessions), ``sidecar.chat`` and
-  ``sidecar.tool_calls`` (chat in, tool calls out), ``sidecar.auth`` (bearer token -> tenant);
-- ``sidecar.hooks.ServerHooks``: callbacks at each RPC, turn and snapshot, for metrics.
+  ``sidecar.sessions.janitor`` (ending expired and freeing idle sessions), ``sidecar.turns.chat`` and
+  ``sidecar.turns.tool_calls`` (chat in, tool calls out), ``sidecar.auth`` (bearer token -> tenant);
+- ``sidecar.turns.hooks.ServerHooks``: callbacks at each RPC, turn and snapshot, for metrics.
 """
 
 from __future__ import annotations
 
 from sidecar.endpoint import SERVICE
-from sidecar.errors import Draining, TurnAborted, status_for
-from sidecar.hooks import ServerHooks
+from sidecar.errors import Draining, status_for
+from sidecar.turns.hooks import ServerHooks
 from sidecar.options import ServerOptions
 from sidecar.server_thread import ServerThread
 from sidecar.sidecar_server import SidecarServer
-from sidecar.turns import replay_events
+from sidecar.turns.runner import TurnAborted, replay_events
 
 __all__ = [
     "SERVICE",

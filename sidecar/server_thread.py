@@ -13,7 +13,7 @@ import threading
 from typing import Any, Callable
 
 from engine.api import LLMEngine
-from sidecar.hooks import ServerHooks
+from sidecar.turns.hooks import ServerHooks
 from sidecar.options import ServerOptions
 from sidecar.sidecar_server import SidecarServer
 from sidecar.store import SessionStore

@@ -26,16 +26,16 @@ from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.endpoint import SERVICE
 from sidecar.engine_bridge.client import EngineClient, PruneSpec
 from sidecar.errors import Draining, status_for, trailing_metadata_for
-from sidecar.hooks import ServerHooks
+from sidecar.turns.hooks import ServerHooks
 from sidecar.logs import bind_request
 from sidecar.options import ServerOptions
-from sidecar.protocol import InvalidRequest, session_proto, stored_session_proto
+from sidecar.turns.protocol import InvalidRequest, session_proto, stored_session_proto
 from sidecar.session_ids import BadSessionId, check_id, scoped_key
-from sidecar.session_prune import prune_session
+from sidecar.turns.prune import prune_session
 from sidecar.sessions.record import Session
 from sidecar.sessions.manager import SessionManager
-from sidecar.turn_request import from_proto
-from sidecar.turns import TurnRunner
+from sidecar.turns.request import from_proto
+from sidecar.turns.runner import TurnRunner
 
 log = logging.getLogger(__name__)
 

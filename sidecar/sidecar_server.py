@@ -24,10 +24,10 @@ import logging
 import time
 
 from engine.api import LLMEngine
-from sidecar.chat import ChatRenderer
+from sidecar.turns.chat import ChatRenderer
 from sidecar.endpoint import NOT_SERVING, SERVING, GrpcEndpoint
 from sidecar.engine_bridge.client import EngineClient
-from sidecar.hooks import ServerHooks
+from sidecar.turns.hooks import ServerHooks
 from sidecar.options import ServerOptions
 from sidecar.service import SidecarService
 from sidecar.sessions.janitor import janitor_loop
@@ -36,8 +36,8 @@ from sidecar.sessions.manager import SessionManager
 from sidecar.sessions.snapshots import SnapshotWriter
 from sidecar.store import SessionStore, StoreUnavailable
 from sidecar.store.health import StoreHealth
-from sidecar.turns import TurnRunner
-from sidecar.validation import BYTES_PER_TOKEN
+from sidecar.turns.runner import TurnRunner
+from sidecar.turns.validation import BYTES_PER_TOKEN
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ BETA = (("authorization", "Bearer tok-beta"),)
 def live(tiny_chat_dir):
     from sidecar.auth import Authenticator
     from sidecar.http.app import HttpFront, HttpOptions
-    from sidecar.limits import TenantLimits
+    from sidecar.turns.limits import TenantLimits
     from sidecar.server import ServerOptions, ServerThread
 
     engine = make_engine(

@@ -18,8 +18,8 @@ from agent_adapters.turns import build_turn_request
 from benchmarks.agent_hints import HintPolicy, TurnHints
 from benchmarks.agent_trace import Config, TraceParams, config_names, make_trace, run_config
 from engine.chain.hints import SessionHints
-from sidecar.protocol import session_hints
-from sidecar.turn_request import from_proto
+from sidecar.turns.protocol import session_hints
+from sidecar.turns.request import from_proto
 
 
 class RecordingClient:

@@ -435,8 +435,8 @@ def test_methods_in_help_and_cli(capsys):
 
 def test_sidecar_request_fields_build_each_method(smol_engine):
     from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-    from sidecar.protocol import InvalidRequest, method_spec
-    from sidecar.turn_request import from_proto
+    from sidecar.turns.protocol import InvalidRequest, method_spec
+    from sidecar.turns.request import from_proto
 
     cases = {
         "quest": {"dense_layers": "1"},

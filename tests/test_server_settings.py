@@ -19,9 +19,9 @@ import yaml
 from engine.config import EngineConfig
 from sidecar.auth import AuthSettings
 from sidecar.cli_args import build_parser
-from sidecar.limits import TenantLimits
+from sidecar.turns.limits import TenantLimits
 from sidecar.options import ServerOptions
-from sidecar.protocol import Limits
+from sidecar.turns.protocol import Limits
 from sidecar.serve_config import load_serve_settings
 from sidecar.settings import SettingError, setting, settings_of
 

@@ -228,7 +228,7 @@ def test_serve_settings_from_flags_env_and_yaml(tmp_path):
 @pytest.fixture(scope="class")
 def server(smol_engine, redis_proc, tmp_path_factory):
     from sidecar.auth import Authenticator
-    from sidecar.limits import TenantLimits
+    from sidecar.turns.limits import TenantLimits
     from sidecar.metrics import MetricsHooks
     from sidecar.server import ServerOptions, ServerThread
 
@@ -377,7 +377,7 @@ class TestTenants:
             stub.EndSession(pb.EndSessionRequest(session_id=sid), metadata=ALPHA)
         for sid in ("b0", "b1"):
             stub.EndSession(pb.EndSessionRequest(session_id=sid), metadata=BETA)
-        from sidecar.limits import TenantLimits, parse_overrides
+        from sidecar.turns.limits import TenantLimits, parse_overrides
 
         assert parse_overrides(
             ["batch:max_sessions_per_tenant=5,max_tokens_per_turn=9", "x:max_tokens_per_turn=2"]

@@ -20,7 +20,7 @@ import pytest
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
 from sidecar.errors import TURN_INDEX_CONFLICT_KEY
-from sidecar.turn_request import from_proto
+from sidecar.turns.request import from_proto
 
 from tests.sidecar_proc import ALPHA, BETA, TOKENS, Sidecar, committed, request, run, serving, turn_events, wait_for
 

@@ -1,6 +1,6 @@
 """The HTTP front's one way onto the sidecar's sessions (the seam to swap for an engine client).
 
-A turn from either OpenAI API becomes a typed ``sidecar.turn_request.TurnRequest`` run by the
+A turn from either OpenAI API becomes a typed ``sidecar.turns.request.TurnRequest`` run by the
 sidecar's ``TurnRunner`` (over its ``EngineClient``), as gRPC's Turn is, so both fronts share everything behind it: tenant-scoped session keys, quotas, loading a
 session from the store, rendering only the new messages, structured output, streaming, rolling back a
 turn whose caller went away, and write-behind snapshots. The bearer token is checked by the same
@@ -21,13 +21,13 @@ from sidecar.engine_bridge.client import PruneSpec
 from engine.api import SessionInfo
 from sidecar.engine_bridge.results import PruneResult
 from sidecar.server import Draining
-from sidecar.session_prune import prune_session
+from sidecar.turns.prune import prune_session
 from sidecar.session_ids import scoped_key
 from sidecar.sessions.record import Session
-from sidecar.structured import OutputSpecError
+from sidecar.turns.structured import OutputSpecError
 from sidecar.store import StoredSession
 from sidecar.store.transcript_index import Found, StoredTranscripts
-from sidecar.turn_request import TurnRequest
+from sidecar.turns.request import TurnRequest
 
 log = logging.getLogger(__name__)
 

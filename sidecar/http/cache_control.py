@@ -18,7 +18,7 @@ calls it) of the caller's tenant:
   priority are demoted first (GPU -> host RAM -> history), least recently used first within one.
   It travels with the session's snapshot.
 - ``prune``: asynchronous (202 and a ``prune_id``; ``GET /v1/prefix_cache/prune/{prune_id}``):
-  PruneHistory's machinery on ranges of history positions (sidecar/session_prune.py).
+  PruneHistory's machinery on ranges of history positions (sidecar/turns/prune.py).
 
 A session of another tenant is answered exactly as a missing one (404 ``session_not_found``, the
 same lookups, the same body).
@@ -42,7 +42,7 @@ from sidecar.http.prune_jobs import PruneJobs
 from sidecar.session_ids import SessionKey
 from sidecar.sessions.record import Session
 from sidecar.store import StoredSession
-from sidecar.turn_request import TurnRequest
+from sidecar.turns.request import TurnRequest
 
 TIERS = {"active": "gpu", "idle": "gpu", "host": "host", "history": "history"}
 

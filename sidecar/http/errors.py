@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.api import CapacityError
-from sidecar.limits import QuotaExceeded
+from sidecar.turns.limits import QuotaExceeded
 
 _HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),

@@ -31,7 +31,7 @@ class Running:
     request that waited for the session (``get_settled``) takes it once it is released, instead of
     being refused."""
     digest: str = ""
-    """The request's content digest (sidecar.validation.request_digest)."""
+    """The request's content digest (sidecar.turns.validation.request_digest)."""
 
 
 @dataclass

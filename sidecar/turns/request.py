@@ -2,7 +2,7 @@
 
 gRPC's Turn converts its ``chainkv.v1.TurnRequest`` message (``from_proto``); the HTTP front builds
 one from OpenAI JSON (sidecar/http/requests.py). ``TurnRunner.run`` takes it, and
-``sidecar.protocol.parse_turn`` checks it against the server's limits, the same way for both. The
+``sidecar.turns.protocol.parse_turn`` checks it against the server's limits, the same way for both. The
 fields keep the message's names and meaning; a field the message marks ``optional`` is None when it
 is not set.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-from sidecar.validation import request_digest
+from sidecar.turns.validation import request_digest
 
 
 @dataclass
@@ -93,7 +93,7 @@ class TurnRequest:
     agent_hints: AgentHints | None = None
     session_control: SessionControl | None = None
     digest: str = ""
-    """The content's digest (``sidecar.validation.request_digest`` of the gRPC message): a
+    """The content's digest (``sidecar.turns.validation.request_digest`` of the gRPC message): a
     request_id reused for other content is refused. "" from a front without request ids."""
 
 

@@ -35,22 +35,29 @@ from typing import AsyncIterator, Callable
 
 from engine.api import CapacityError, ConstraintError, SessionError, SessionInfo, TurnSpec
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-from sidecar.chat import ChatRenderer, tools_digest
+from sidecar.turns.chat import ChatRenderer, tools_digest
 from sidecar.engine_bridge.client import EngineClient
 from sidecar.engine_bridge.results import TurnResult
-from sidecar.errors import SequenceFailed, TurnAborted
-from sidecar.hooks import ServerHooks
-from sidecar.limits import QuotaExceeded, TenantLimits
-from sidecar.protocol import FINISH, TIERS, Limits, TurnArgs, parse_turn, tool_call_proto
+from sidecar.turns.hooks import ServerHooks
+from sidecar.turns.limits import QuotaExceeded, TenantLimits
+from sidecar.turns.protocol import FINISH, TIERS, Limits, TurnArgs, parse_turn, tool_call_proto
 from sidecar.session_ids import SessionKey
 from sidecar.sessions.record import Running, Session
 from sidecar.sessions.manager import SessionManager
-from sidecar.structured import OutputSpecError, tools_from_meta
-from sidecar.tool_calls import PlainText, ToolCallParser
-from sidecar.turn_request import TurnRequest
-from sidecar.validation import check_same_request
+from sidecar.turns.structured import OutputSpecError, tools_from_meta
+from sidecar.turns.tool_calls import PlainText, ToolCallParser
+from sidecar.turns.request import TurnRequest
+from sidecar.turns.validation import check_same_request
 
 log = logging.getLogger(__name__)
+
+
+class SequenceFailed(RuntimeError):
+    """The engine failed this turn alone (its sampling or token processing raised); INTERNAL."""
+
+
+class TurnAborted(RuntimeError):
+    """The turn was stopped by something other than its caller (EndSession, a cancelled first attempt)."""
 
 
 @dataclass

@@ -7,7 +7,7 @@ engine's grammar constraint (engine/constrained.py).
   ``none`` (the markup stays text), ``required`` (exactly one call to one of the session's tools)
   or ``function`` (exactly one call to the named tool). A forced call is one Hermes call,
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, whose arguments validate against
-  the tool's parameter schema: what ``sidecar.tool_calls`` parses back, and what both the templates
+  the tool's parameter schema: what ``sidecar.turns.tool_calls`` parses back, and what both the templates
   that take tools (Qwen2.5) and the Hermes system prompt written for those that do not (SmolLM2)
   ask the model for.
 """
@@ -18,8 +18,8 @@ import json
 from dataclasses import dataclass
 
 from engine.api import Constraint, ConstraintError
-from sidecar.chat import ToolSpec
-from sidecar.tool_calls import CLOSE, OPEN
+from sidecar.turns.chat import ToolSpec
+from sidecar.turns.tool_calls import CLOSE, OPEN
 
 FORMATS = ("text", "json_object", "json_schema", "regex", "grammar")
 TOOL_CHOICES = ("auto", "none", "required", "function")

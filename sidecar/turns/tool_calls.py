@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Iterable
 
-from sidecar.validation import loads_bounded
+from sidecar.turns.validation import loads_bounded
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

@@ -22,7 +22,7 @@ renderer refuses them with a clear error rather than silently drifting.
 Tools. Templates that take ``tools`` (Qwen2.5, Hermes) get them; for templates that ignore them
 (SmolLM2's) the tool schema is written into the system prompt in the Hermes convention, and the
 model is asked to answer with ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-(parsed back by ``sidecar.tool_calls``).
+(parsed back by ``sidecar.turns.tool_calls``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.validation import loads_bounded as _loads_bounded
+from sidecar.turns.validation import loads_bounded as _loads_bounded
 
 ROLES = ("system", "user", "assistant", "tool")
 

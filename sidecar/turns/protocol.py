@@ -1,6 +1,6 @@
 """Turn requests -> engine arguments, engine state -> gRPC messages: request validation and reply building.
 
-Everything a client can get wrong in a turn (a ``sidecar.turn_request.TurnRequest``, from either
+Everything a client can get wrong in a turn (a ``sidecar.turns.request.TurnRequest``, from either
 front) is checked here, before the engine sees it, and raised as ``InvalidRequest``
 (INVALID_ARGUMENT). Engine state (``SessionInfo`` from the engine client, and
 store records) becomes ``chainkv.v1.Session`` messages here too.
@@ -28,14 +28,14 @@ from engine.api import (
     get_method_class,
 )
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-from sidecar.chat import ROLES, ChatError, ToolSpec, tool_from_json
+from sidecar.turns.chat import ROLES, ChatError, ToolSpec, tool_from_json
 from sidecar.session_ids import BadSessionId, check_id
 from sidecar.sessions.record import Session
-from sidecar.limits import TurnTooLarge
+from sidecar.turns.limits import TurnTooLarge
 from sidecar.settings import setting
-from sidecar.validation import JsonTooDeep, check_turn_bytes, loads_bounded
-from sidecar.structured import OutputSpec, OutputSpecError
-from sidecar.turn_request import Message, TurnRequest
+from sidecar.turns.validation import JsonTooDeep, check_turn_bytes, loads_bounded
+from sidecar.turns.structured import OutputSpec, OutputSpecError
+from sidecar.turns.request import Message, TurnRequest
 
 TIERS = {
     "new": pb.TIER_NEW,
@@ -68,7 +68,7 @@ class Limits:
     max_turn_bytes: int | None = setting(
         None,
         "most UTF-8 bytes of a turn's messages and tools, refused before tokenizing (unset: "
-        "BYTES_PER_TOKEN, sidecar/validation.py, bytes per token of the model's context)",
+        "BYTES_PER_TOKEN, sidecar/turns/validation.py, bytes per token of the model's context)",
         metavar="BYTES",
     )
     default_max_tokens: int = setting(256, "max_tokens of a Turn that does not set it")
@@ -87,7 +87,7 @@ class TurnArgs:
     public_prefix: bool = False
     """The shared prefix may be shared with other tenants' sessions (default: this tenant's only)."""
     output: OutputSpec = field(default_factory=OutputSpec)
-    """response_format and tool_choice (sidecar/structured.py)."""
+    """response_format and tool_choice (sidecar/turns/structured.py)."""
     hints: SessionHints | None = None
     """agent_hints and session_control (engine/chain/hints.py); None: none given."""
     extra: dict[str, Any] = field(default_factory=dict)

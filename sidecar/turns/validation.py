@@ -18,7 +18,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from engine.api import SessionError
-from sidecar.limits import TurnTooLarge
+from sidecar.turns.limits import TurnTooLarge
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.sessions.record import Session
