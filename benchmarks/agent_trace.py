@@ -358,7 +358,7 @@ def start_sidecar(args):
     from engine.llm import LLMEngine
     from sidecar.engine_args import engine_config_from_args
     from sidecar.turns.protocol import Limits
-    from sidecar.server import ServerOptions, ServerThread
+    from sidecar.grpc.server import ServerOptions, ServerThread
 
     if args.random_weights:
         if not args.tokenizer or not Path(args.tokenizer).is_dir():

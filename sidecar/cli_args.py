@@ -2,7 +2,7 @@
 
 The engine flags every model-loading command shares come from ``sidecar.engine_args`` (one per
 EngineConfig field); ``chainkv serve``'s server flags come from ``ServerOptions`` (one per field,
-sidecar/options.py), which are also read from the environment and the YAML file
+sidecar/grpc/options.py), which are also read from the environment and the YAML file
 (``sidecar.serve_config``).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from sidecar.engine_args import add_engine_args
-from sidecar.options import ServerOptions
+from sidecar.grpc.options import ServerOptions
 from sidecar.settings import add_flags
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     from engine.config import EngineConfig
     from sidecar.store.integrity import SnapshotKeys
-    from sidecar.options import ServerOptions
+    from sidecar.grpc.options import ServerOptions
     from sidecar.store import SessionStore
 
 
@@ -42,10 +42,10 @@ class ServeSetup:
 
 def prepare_serve(args: argparse.Namespace) -> tuple[ServeSetup, SessionStore | None] | int:
     """The setup and the opened store of ``chainkv serve ARGS``, or an exit code after printing why not."""
-    from sidecar.endpoint import check_tls_files
+    from sidecar.grpc.endpoint import check_tls_files
     from sidecar.store.integrity import load_keys
-    from sidecar.logs import setup_logging
-    from sidecar.ports import check_free
+    from sidecar.grpc.logs import setup_logging
+    from sidecar.grpc.ports import check_free
     from sidecar.serve_config import load_serve_settings
     from sidecar.store import StoreError
 
@@ -107,7 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def serve_rank0(engine, setup: ServeSetup) -> None:
     """Tensor-parallel rank 0, in its own process: the settings the parent read and checked, and this
     process's own client of the store the parent reached (a connection does not cross processes)."""
-    from sidecar.logs import setup_logging
+    from sidecar.grpc.logs import setup_logging
 
     setup_logging(setup.options.log_level, setup.options.log_format)
     serve_engine(engine, setup, setup.open_store())
@@ -119,15 +119,15 @@ def serve_engine(engine, setup: ServeSetup, store: SessionStore | None) -> None:
     import signal
 
     from engine.config import ConfigError
-    from sidecar.ports import PortUnavailable
-    from sidecar.server import ServerHooks, SidecarServer
+    from sidecar.grpc.ports import PortUnavailable
+    from sidecar.grpc.server import ServerHooks, SidecarServer
     from sidecar.store import StoreError
 
     config, options = setup.config, setup.options
     hooks = ServerHooks()
     metrics_port = None
     if options.metrics_port is not None:
-        from sidecar.metrics import MetricsHooks
+        from sidecar.grpc.metrics import MetricsHooks
 
         hooks = MetricsHooks(engine)
         try:

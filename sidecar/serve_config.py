@@ -1,6 +1,6 @@
 """``chainkv serve`` settings from three places, under one name each.
 
-Every ``ServerOptions`` setting (sidecar/options.py) has one name: ``snapshot_hmac_key_file`` is the
+Every ``ServerOptions`` setting (sidecar/grpc/options.py) has one name: ``snapshot_hmac_key_file`` is the
 flag ``--snapshot-hmac-key-file``, the YAML key ``snapshot_hmac_key_file`` (in the ``--config`` file,
 beside the EngineConfig fields) and the environment variable ``CHAINKV_SNAPSHOT_HMAC_KEY_FILE``.
 Precedence: the command line, then the environment, then the YAML file, then the field's default.
@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from engine.config import ConfigError, EngineConfig, load_yaml
 from sidecar.engine_args import engine_config_from_args
-from sidecar.options import ServerOptions
+from sidecar.grpc.options import ServerOptions
 from sidecar.settings import build, settings_of
 
 

@@ -1,4 +1,4 @@
-"""Every server setting is declared once, on ServerOptions (sidecar/options.py), and has exactly one
+"""Every server setting is declared once, on ServerOptions (sidecar/grpc/options.py), and has exactly one
 flag, one environment variable and one YAML key, all derived from its name.
 
 ``TABLE`` holds, for every setting, a value other than its default: as the flag and the environment
@@ -17,10 +17,10 @@ import pytest
 import yaml
 
 from engine.config import EngineConfig
-from sidecar.auth import AuthSettings
+from sidecar.grpc.auth import AuthSettings
 from sidecar.cli_args import build_parser
 from sidecar.turns.limits import TenantLimits
-from sidecar.options import ServerOptions
+from sidecar.grpc.options import ServerOptions
 from sidecar.turns.protocol import Limits
 from sidecar.serve_config import load_serve_settings
 from sidecar.settings import SettingError, setting, settings_of

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from agent_adapters.client import ChainKVClient, ChainKVError
-from sidecar.options import ServerOptions
+from sidecar.grpc.options import ServerOptions
 from tests.conftest import make_engine
 
 
@@ -34,7 +34,7 @@ def _gone(c: ChainKVClient, sid: str, wait_s: float = 60.0) -> bool:
 
 
 def _server(engine, store=None, **kw):
-    from sidecar.server import ServerThread
+    from sidecar.grpc.server import ServerThread
 
     server = ServerThread(engine, ServerOptions(port=0, **kw), store)
     return server, f"127.0.0.1:{server.start()}"

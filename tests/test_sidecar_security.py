@@ -185,7 +185,7 @@ def test_key_file(tmp_path):
 
 
 def test_json_logs_carry_the_request_context():
-    from sidecar.logs import JsonFormatter, bind_request
+    from sidecar.grpc.logs import JsonFormatter, bind_request
 
     buf = io.StringIO()
     handler = logging.StreamHandler(buf)
@@ -227,10 +227,10 @@ def test_serve_settings_from_flags_env_and_yaml(tmp_path):
 # --- tenants, limits, metrics ------------------------------------------------------------------------
 @pytest.fixture(scope="class")
 def server(smol_engine, redis_proc, tmp_path_factory):
-    from sidecar.auth import Authenticator
+    from sidecar.grpc.auth import Authenticator
     from sidecar.turns.limits import TenantLimits
-    from sidecar.metrics import MetricsHooks
-    from sidecar.server import ServerOptions, ServerThread
+    from sidecar.grpc.metrics import MetricsHooks
+    from sidecar.grpc.server import ServerOptions, ServerThread
 
     store = RedisStore(redis_proc.url, prefix="sec", hmac_keys=SnapshotKeys([KEY]))
     hooks = MetricsHooks(smol_engine)
@@ -426,8 +426,8 @@ class TestTenants:
 
 # --- the adversarial review (issue 18) ---------------------------------------------------------------
 def _server(smol_engine, redis_proc, prefix, **kw):
-    from sidecar.auth import Authenticator
-    from sidecar.server import ServerOptions, ServerThread
+    from sidecar.grpc.auth import Authenticator
+    from sidecar.grpc.server import ServerOptions, ServerThread
 
     store = RedisStore(redis_proc.url, prefix=prefix, hmac_keys=SnapshotKeys([b"h" * 32]))
     options = ServerOptions(port=0, auth=Authenticator(TOKENS), snapshot_retry_max_s=0.5, resume_wait_s=0.5, **kw)

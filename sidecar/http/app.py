@@ -32,11 +32,11 @@ from sidecar.http.chat_completions import ChatCompletions
 from sidecar.http.errors import OpenAIError
 from sidecar.http.requests import body_object
 from sidecar.http.responses_api import Responses
-from sidecar.ports import bind
+from sidecar.grpc.ports import bind
 from sidecar.store.errors import StoreUnavailable
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sidecar.server import SidecarServer
+    from sidecar.grpc.server import SidecarServer
 
 log = logging.getLogger(__name__)
 

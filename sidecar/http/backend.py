@@ -20,7 +20,7 @@ from sidecar.http.errors import invalid
 from sidecar.engine_bridge.client import PruneSpec
 from engine.api import SessionInfo
 from sidecar.engine_bridge.results import PruneResult
-from sidecar.server import Draining
+from sidecar.grpc.server import Draining
 from sidecar.turns.prune import prune_session
 from sidecar.session_ids import scoped_key
 from sidecar.sessions.record import Session
@@ -32,7 +32,7 @@ from sidecar.turns.request import TurnRequest
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sidecar.server import SidecarServer
+    from sidecar.grpc.server import SidecarServer
 
 
 class SessionBackend:

@@ -1,6 +1,6 @@
 """ServerHooks: callbacks at each RPC, turn, snapshot and prune, so metrics attach without touching the servicer.
 
-The defaults do nothing; ``sidecar.metrics.MetricsHooks`` overrides them.
+The defaults do nothing; ``sidecar.grpc.metrics.MetricsHooks`` overrides them.
 """
 
 from __future__ import annotations

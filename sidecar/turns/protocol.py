@@ -60,7 +60,7 @@ class InvalidRequest(ValueError):
 
 @dataclass
 class Limits:
-    """What one request may hold (server settings: ``--max-messages``, ..., sidecar/options.py)."""
+    """What one request may hold (server settings: ``--max-messages``, ..., sidecar/grpc/options.py)."""
 
     max_messages: int = setting(256, "most messages in one Turn (more: INVALID_ARGUMENT)")
     max_tools: int = setting(128, "most tools in one Turn (more: INVALID_ARGUMENT)")

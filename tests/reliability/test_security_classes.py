@@ -178,7 +178,7 @@ def test_fuzzed_sampling_fields_never_stop_the_replica(smol_engine, reliability_
     import grpc
 
     from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
-    from sidecar.server import ServerOptions, ServerThread
+    from sidecar.grpc.server import ServerOptions, ServerThread
     from tests.sidecar_proc import serving
 
     srv = ServerThread(smol_engine, ServerOptions(port=0), None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from sidecar.auth import Authenticator, AuthSettings
+from sidecar.grpc.auth import Authenticator, AuthSettings
 from sidecar.turns.limits import TenantLimits
 from sidecar.turns.protocol import Limits
 from sidecar.settings import setting, setting_group
@@ -36,7 +36,7 @@ class ServerOptions:
     tenant_limits: TenantLimits = setting_group(TenantLimits)
     """Per-tenant quotas: live sessions, tokens per turn, pins (sidecar/turns/limits.py)."""
     auth: Authenticator = setting_group(AuthSettings, build=AuthSettings.authenticator)
-    """Bearer tokens -> tenants, from ``--auth-token`` and ``--auth-file`` (sidecar/auth.py)."""
+    """Bearer tokens -> tenants, from ``--auth-token`` and ``--auth-file`` (sidecar/grpc/auth.py)."""
 
     # --- the session store and snapshots ------------------------------------------------------------
     store: str | None = setting(

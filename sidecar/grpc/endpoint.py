@@ -2,7 +2,7 @@
 
 ``GrpcEndpoint`` owns the listening side of the sidecar and nothing else: it adds the servicer's
 handlers, the standard health service (``grpc.health.v1``, reported for "" and
-``chainkv.v1.Sidecar``) and server reflection (v1 and v1alpha, ``sidecar.reflection``), and listens in plaintext or with TLS (mutual TLS
+``chainkv.v1.Sidecar``) and server reflection (v1 and v1alpha, ``sidecar.grpc.reflection``), and listens in plaintext or with TLS (mutual TLS
 when a client CA is given).
 """
 
@@ -17,8 +17,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.config import ConfigError
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-from sidecar.options import ServerOptions
-from sidecar.reflection import enable_reflection
+from sidecar.grpc.options import ServerOptions
+from sidecar.grpc.reflection import enable_reflection
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Sidecar"].full_name  # "chainkv.v1.Sidecar"
 SERVING = health_pb2.HealthCheckResponse.SERVING

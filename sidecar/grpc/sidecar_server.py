@@ -25,11 +25,11 @@ import time
 
 from engine.api import LLMEngine
 from sidecar.turns.chat import ChatRenderer
-from sidecar.endpoint import NOT_SERVING, SERVING, GrpcEndpoint
+from sidecar.grpc.endpoint import NOT_SERVING, SERVING, GrpcEndpoint
 from sidecar.engine_bridge.client import EngineClient
 from sidecar.turns.hooks import ServerHooks
-from sidecar.options import ServerOptions
-from sidecar.service import SidecarService
+from sidecar.grpc.options import ServerOptions
+from sidecar.grpc.service import SidecarService
 from sidecar.sessions.janitor import janitor_loop
 from sidecar.sessions.loading import StoreBehind
 from sidecar.sessions.manager import SessionManager

@@ -4,7 +4,7 @@ Each RPC checks the caller (auth, draining, a failed engine), scopes the session
 and hands the work to the piece that owns it: ``TurnRunner`` for Turn, ``SessionManager`` for
 finding, loading and ending sessions and for everything in the store, ``EngineClient`` for engine
 state. Every exception leaves
-through ``sidecar.errors.status_for``; ``ServerHooks.on_rpc`` sees each call's final code.
+through ``sidecar.grpc.errors.status_for``; ``ServerHooks.on_rpc`` sees each call's final code.
 
 A request whose bytes do not parse as its message gets INVALID_ARGUMENT (the deserializer hands
 the handler a ``BadMessage`` instead of failing inside gRPC, which would answer INTERNAL).
@@ -23,12 +23,12 @@ from google.protobuf.message import DecodeError
 
 from engine.api import METHODS, PruneRuleError, SessionExists, SessionInfo, SessionNotFound, check_policy, check_span
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-from sidecar.endpoint import SERVICE
+from sidecar.grpc.endpoint import SERVICE
 from sidecar.engine_bridge.client import EngineClient, PruneSpec
-from sidecar.errors import Draining, status_for, trailing_metadata_for
+from sidecar.grpc.errors import Draining, status_for, trailing_metadata_for
 from sidecar.turns.hooks import ServerHooks
-from sidecar.logs import bind_request
-from sidecar.options import ServerOptions
+from sidecar.grpc.logs import bind_request
+from sidecar.grpc.options import ServerOptions
 from sidecar.turns.protocol import InvalidRequest, session_proto, stored_session_proto
 from sidecar.session_ids import BadSessionId, check_id, scoped_key
 from sidecar.turns.prune import prune_session

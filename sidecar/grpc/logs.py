@@ -1,6 +1,6 @@
 """Structured logs: one JSON object per line (``--log-format json``), with the request's tenant and session.
 
-    {"ts": "2026-12-03T11:52:07.310Z", "level": "INFO", "logger": "sidecar.metrics", "msg": "rpc",
+    {"ts": "2026-12-03T11:52:07.310Z", "level": "INFO", "logger": "sidecar.grpc.metrics", "msg": "rpc",
      "rpc": "Turn", "code": "OK", "seconds": 0.412, "tenant": "alpha", "session_id": "s1"}
 
 Each Sidecar call binds its tenant and session id (``bind_request``) in a context variable, so

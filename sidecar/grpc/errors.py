@@ -29,7 +29,7 @@ from engine.api import (
 from engine.config import ConfigError
 from sidecar.turns.structured import OutputSpecError
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-from sidecar.auth import Unauthenticated
+from sidecar.grpc.auth import Unauthenticated
 from sidecar.turns.chat import ChatError
 from sidecar.engine_bridge.client import EngineFailed
 from sidecar.store.integrity import SnapshotRejected

@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 from engine.api import LLMEngine
 from sidecar.turns.hooks import ServerHooks
-from sidecar.options import ServerOptions
-from sidecar.sidecar_server import SidecarServer
+from sidecar.grpc.options import ServerOptions
+from sidecar.grpc.sidecar_server import SidecarServer
 from sidecar.store import SessionStore
 
 
