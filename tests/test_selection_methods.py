@@ -403,7 +403,7 @@ def test_shipped_smollm2_pattern(smol_engine):
 # --- 4. CLI, --help and the sidecar's request fields -------------------------------------------------------------
 @pytest.mark.slow  # generates with SmolLM2
 def test_methods_in_help_and_cli(capsys):
-    from sidecar.cli import build_parser, main
+    from sidecar.cli.main import build_parser, main
 
     text = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
     for name in NEW_METHODS:

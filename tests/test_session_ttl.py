@@ -88,8 +88,8 @@ def test_a_bad_ttl_is_refused(bad):
 
 
 def test_the_cli_and_yaml_name(tmp_path):
-    from sidecar.cli import build_parser
-    from sidecar.serve_config import load_serve_settings
+    from sidecar.cli.main import build_parser
+    from sidecar.cli.serve_config import load_serve_settings
 
     parser = build_parser()
     assert parser.parse_args(["serve", "--store-ttl", "5"]).session_ttl_s == 5.0

@@ -201,8 +201,8 @@ def test_json_logs_carry_the_request_context():
 
 
 def test_serve_settings_from_flags_env_and_yaml(tmp_path):
-    from sidecar.cli import build_parser
-    from sidecar.serve_config import load_serve_settings
+    from sidecar.cli.main import build_parser
+    from sidecar.cli.serve_config import load_serve_settings
 
     tokens = tmp_path / "tokens"
     tokens.write_text("t0k acme\n")

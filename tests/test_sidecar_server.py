@@ -354,7 +354,7 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(local, smol_
 def test_demo_runs_a_session_against_the_sidecar(local):
     import io
 
-    from sidecar.demo import calculate, run_demo
+    from sidecar.cli.demo import calculate, run_demo
 
     server, _, _ = local
     assert calculate("37 * (40 + 1)") == "1517" and calculate("__import__('os')").startswith("error")

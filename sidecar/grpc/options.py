@@ -3,7 +3,7 @@
 Each field (and each field of its groups: the request ``Limits``, the ``TenantLimits``, the auth
 settings) is one ``chainkv serve`` flag, one environment variable and one YAML key, named after it
 (``session_ttl_s``: ``--session-ttl-s``, ``CHAINKV_SESSION_TTL_S``, ``session_ttl_s``); its default
-and help text are here and nowhere else (sidecar/settings.py generates the rest; sidecar/serve_config.py
+and help text are here and nowhere else (sidecar/settings.py generates the rest; sidecar/cli/serve_config.py
 reads them). A new setting is one field here, and the code that uses it.
 """
 

@@ -6,7 +6,7 @@ chainkv generate [--model M] [--method NAME] [--budget N] [--max-tokens N] [--ch
 chainkv calibrate duo_attention [--model M] [--samples N] [--out FILE]
 
 This module dispatches (``main``, the console script) and runs generate, calibrate and demo; the
-parser and every flag are in ``sidecar.cli_args``, the serve command in ``sidecar.cli_serve``.
+parser and every flag are in ``sidecar.cli.args``, the serve command in ``sidecar.cli.serve``.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import logging
 import sys
 
 from engine.config import ConfigError
-from sidecar.cli_args import build_parser
-from sidecar.cli_serve import cmd_serve
-from sidecar.engine_args import engine_config_from_args
+from sidecar.cli.args import build_parser
+from sidecar.cli.serve import cmd_serve
+from sidecar.cli.engine_args import engine_config_from_args
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from sidecar.demo import run_demo
+    from sidecar.cli.demo import run_demo
 
     return run_demo(args.target, args.session, args.max_tokens, args.token, args.tls_ca)
 

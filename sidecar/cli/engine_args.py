@@ -56,7 +56,7 @@ def _default_text(f: dataclasses.Field) -> str:
 
 def engine_config_from_args(args: argparse.Namespace, yaml_values: dict | None = None) -> EngineConfig:
     """The flags over the ``--config`` YAML; ``yaml_values``: that YAML already read, less its server
-    settings (``chainkv serve``, sidecar/serve_config.py)."""
+    settings (``chainkv serve``, sidecar/cli/serve_config.py)."""
     values: dict = {}
     if yaml_values is not None:
         values.update(EngineConfig.from_dict(yaml_values).to_dict())

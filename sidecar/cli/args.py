@@ -1,16 +1,16 @@
 """The ``chainkv`` command line: its parser, every subcommand's flags (generate, serve, calibrate, demo).
 
-The engine flags every model-loading command shares come from ``sidecar.engine_args`` (one per
+The engine flags every model-loading command shares come from ``sidecar.cli.engine_args`` (one per
 EngineConfig field); ``chainkv serve``'s server flags come from ``ServerOptions`` (one per field,
 sidecar/grpc/options.py), which are also read from the environment and the YAML file
-(``sidecar.serve_config``).
+(``sidecar.cli.serve_config``).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from sidecar.engine_args import add_engine_args
+from sidecar.cli.engine_args import add_engine_args
 from sidecar.grpc.options import ServerOptions
 from sidecar.settings import add_flags
 

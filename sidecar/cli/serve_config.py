@@ -16,7 +16,7 @@ import os
 from typing import Any, Mapping
 
 from engine.config import ConfigError, EngineConfig, load_yaml
-from sidecar.engine_args import engine_config_from_args
+from sidecar.cli.engine_args import engine_config_from_args
 from sidecar.grpc.options import ServerOptions
 from sidecar.settings import build, settings_of
 

@@ -46,7 +46,7 @@ def prepare_serve(args: argparse.Namespace) -> tuple[ServeSetup, SessionStore | 
     from sidecar.store.integrity import load_keys
     from sidecar.grpc.logs import setup_logging
     from sidecar.grpc.ports import check_free
-    from sidecar.serve_config import load_serve_settings
+    from sidecar.cli.serve_config import load_serve_settings
     from sidecar.store import StoreError
 
     try:
