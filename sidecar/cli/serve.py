@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from engine.config import EngineConfig
     from sidecar.store.integrity import SnapshotKeys
     from sidecar.grpc.options import ServerOptions
-    from sidecar.store import SessionStore
+    from sidecar.store.base import SessionStore
 
 
 @dataclass
@@ -47,7 +47,7 @@ def prepare_serve(args: argparse.Namespace) -> tuple[ServeSetup, SessionStore | 
     from sidecar.grpc.logs import setup_logging
     from sidecar.grpc.ports import check_free
     from sidecar.cli.serve_config import load_serve_settings
-    from sidecar.store import StoreError
+    from sidecar.store.errors import StoreError
 
     try:
         config, options = load_serve_settings(args)
@@ -121,7 +121,7 @@ def serve_engine(engine, setup: ServeSetup, store: SessionStore | None) -> None:
     from engine.config import ConfigError
     from sidecar.grpc.ports import PortUnavailable
     from sidecar.grpc.server import ServerHooks, SidecarServer
-    from sidecar.store import StoreError
+    from sidecar.store.errors import StoreError
 
     config, options = setup.config, setup.options
     hooks = ServerHooks()

@@ -35,9 +35,9 @@ from sidecar.engine_bridge.client import EngineFailed
 from sidecar.store.integrity import SnapshotRejected
 from sidecar.turns.limits import QuotaExceeded, TurnTooLarge
 from sidecar.turns.protocol import InvalidRequest
-from sidecar.turns.runner import TurnAborted
+from sidecar.turns.errors import TurnAborted
 from sidecar.session_ids import BadSessionId
-from sidecar.store import SnapshotRolledBack, StoreUnavailable
+from sidecar.store.errors import SnapshotRolledBack, StoreUnavailable
 
 
 class Draining(RuntimeError):

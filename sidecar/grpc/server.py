@@ -32,7 +32,8 @@ from sidecar.turns.hooks import ServerHooks
 from sidecar.grpc.options import ServerOptions
 from sidecar.grpc.server_thread import ServerThread
 from sidecar.grpc.sidecar_server import SidecarServer
-from sidecar.turns.runner import TurnAborted, replay_events
+from sidecar.turns.errors import TurnAborted
+from sidecar.turns.runner import replay_events
 
 __all__ = [
     "SERVICE",

@@ -16,7 +16,7 @@ from engine.api import LLMEngine
 from sidecar.turns.hooks import ServerHooks
 from sidecar.grpc.options import ServerOptions
 from sidecar.grpc.sidecar_server import SidecarServer
-from sidecar.store import SessionStore
+from sidecar.store.base import SessionStore
 
 
 class ServerThread:

@@ -34,7 +34,8 @@ from sidecar.sessions.janitor import janitor_loop
 from sidecar.sessions.loading import StoreBehind
 from sidecar.sessions.manager import SessionManager
 from sidecar.sessions.snapshots import SnapshotWriter
-from sidecar.store import SessionStore, StoreUnavailable
+from sidecar.store.base import SessionStore
+from sidecar.store.errors import StoreUnavailable
 from sidecar.store.health import StoreHealth
 from sidecar.turns.runner import TurnRunner
 from sidecar.turns.validation import BYTES_PER_TOKEN

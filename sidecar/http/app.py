@@ -36,7 +36,7 @@ from sidecar.grpc.ports import bind
 from sidecar.store.errors import StoreUnavailable
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sidecar.grpc.server import SidecarServer
+    from sidecar.grpc.sidecar_server import SidecarServer
 
 log = logging.getLogger(__name__)
 

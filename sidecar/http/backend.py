@@ -20,19 +20,19 @@ from sidecar.http.errors import invalid
 from sidecar.engine_bridge.client import PruneSpec
 from engine.api import SessionInfo
 from sidecar.engine_bridge.results import PruneResult
-from sidecar.grpc.server import Draining
+from sidecar.grpc.errors import Draining
 from sidecar.turns.prune import prune_session
 from sidecar.session_ids import scoped_key
 from sidecar.sessions.record import Session
 from sidecar.turns.structured import OutputSpecError
-from sidecar.store import StoredSession
+from sidecar.store.record import StoredSession
 from sidecar.store.transcript_index import Found, StoredTranscripts
 from sidecar.turns.request import TurnRequest
 
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sidecar.grpc.server import SidecarServer
+    from sidecar.grpc.sidecar_server import SidecarServer
 
 
 class SessionBackend:

@@ -41,7 +41,7 @@ from sidecar.http.errors import OpenAIError, invalid
 from sidecar.http.prune_jobs import PruneJobs
 from sidecar.session_ids import SessionKey
 from sidecar.sessions.record import Session
-from sidecar.store import StoredSession
+from sidecar.store.record import StoredSession
 from sidecar.turns.request import TurnRequest
 
 TIERS = {"active": "gpu", "idle": "gpu", "host": "host", "history": "history"}

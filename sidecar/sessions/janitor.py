@@ -14,7 +14,7 @@ import time
 from typing import Callable, Protocol
 
 from sidecar.sessions.manager import SessionManager
-from sidecar.store import StoreError, StoreUnavailable
+from sidecar.store.errors import StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
 

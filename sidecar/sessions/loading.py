@@ -23,7 +23,9 @@ from sidecar.engine_bridge.client import EngineClient
 from sidecar.session_ids import SessionKey
 from sidecar.sessions.record import Session, recorded_in
 from sidecar.sessions.snapshot_codec import join_snapshot
-from sidecar.store import SessionStore, StoredSession, StoreUnavailable
+from sidecar.store.base import SessionStore
+from sidecar.store.errors import StoreUnavailable
+from sidecar.store.record import StoredSession
 
 log = logging.getLogger(__name__)
 

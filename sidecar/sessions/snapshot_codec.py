@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.api import KV_STATE_KEYS, SessionSnapshot, SnapshotError
-from sidecar.store import StoredSession
+from sidecar.store.record import StoredSession
 
 
 def split_snapshot(snap: SessionSnapshot, app: dict[str, Any]) -> StoredSession:

@@ -29,7 +29,9 @@ from engine.api import SessionBusy, SessionNotFound
 from sidecar.engine_bridge.client import EngineClient
 from sidecar.sessions.record import Session
 from sidecar.sessions.snapshot_codec import join_snapshot, split_snapshot
-from sidecar.store import GenerationConflict, SessionStore, StoredSession, StoreError, StoreUnavailable
+from sidecar.store.base import SessionStore
+from sidecar.store.errors import GenerationConflict, StoreError, StoreUnavailable
+from sidecar.store.record import StoredSession
 from sidecar.store.health import StoreHealth
 
 __all__ = ["SnapshotWriter", "join_snapshot", "split_snapshot"]  # the codec's home: sidecar.sessions.snapshot_codec

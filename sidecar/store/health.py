@@ -19,7 +19,7 @@ import logging
 import time
 from typing import Callable
 
-from sidecar.store import SessionStore
+from sidecar.store.base import SessionStore
 from sidecar.store.errors import StoreError
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import msgpack
 
-from sidecar.store import Checksum
+from sidecar.store.record import Checksum
 from sidecar.session_ids import SessionKey
 from sidecar.store.errors import SnapshotRejected
 

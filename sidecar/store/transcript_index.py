@@ -40,7 +40,10 @@ from pathlib import Path
 import msgpack
 
 from sidecar.session_ids import BadSessionId, SessionKey
-from sidecar.store import DirectoryStore, RedisStore, SessionStore, StoredSession
+from sidecar.store.base import SessionStore
+from sidecar.store.directory_store import DirectoryStore
+from sidecar.store.record import StoredSession
+from sidecar.store.redis_store import RedisStore
 from sidecar.store.errors import StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)

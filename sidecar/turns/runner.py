@@ -46,18 +46,11 @@ from sidecar.sessions.record import Running, Session
 from sidecar.sessions.manager import SessionManager
 from sidecar.turns.structured import OutputSpecError, tools_from_meta
 from sidecar.turns.tool_calls import PlainText, ToolCallParser
+from sidecar.turns.errors import SequenceFailed, TurnAborted
 from sidecar.turns.request import TurnRequest
 from sidecar.turns.validation import check_same_request
 
 log = logging.getLogger(__name__)
-
-
-class SequenceFailed(RuntimeError):
-    """The engine failed this turn alone (its sampling or token processing raised); INTERNAL."""
-
-
-class TurnAborted(RuntimeError):
-    """The turn was stopped by something other than its caller (EndSession, a cancelled first attempt)."""
 
 
 @dataclass
