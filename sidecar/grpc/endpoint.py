@@ -2,8 +2,8 @@
 
 ``GrpcEndpoint`` owns the listening side of the sidecar and nothing else: it adds the servicer's
 handlers, the standard health service (``grpc.health.v1``, reported for "" and
-``chainkv.v1.Sidecar``) and server reflection (v1 and v1alpha, ``sidecar.grpc.reflection``), and listens in plaintext or with TLS (mutual TLS
-when a client CA is given).
+``chainkv.v1.Sidecar``) and server reflection (v1 and v1alpha, ``sidecar.grpc.reflection``), and
+listens in plaintext or with TLS (mutual TLS when a client CA is given).
 """
 
 from __future__ import annotations

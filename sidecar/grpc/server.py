@@ -5,23 +5,13 @@
     ...
     await server.stop()          # health NOT_SERVING, drain running turns, flush snapshots
 
-This module is the sidecar's front door; the parts live one concept to a file:
-
-- ``sidecar.grpc.options.ServerOptions``: the settings;
-- ``sidecar.grpc.sidecar_server.SidecarServer``: the parts put together, started and stopped in order;
-- ``sidecar.grpc.server_thread.ServerThread``: a SidecarServer on a background thread;
-- ``sidecar.engine_bridge.client.EngineClient``: the only door to the engine thread (typed results in
-  ``sidecar.engine_bridge.results``);
-- ``sidecar.grpc.service.SidecarService``: the servicer; ``sidecar.turns.runner.TurnRunner``: one Turn's life,
-  from the typed ``sidecar.turns.request.TurnRequest`` both fronts build;
-- ``sidecar.grpc.errors.status_for``: exceptions -> status codes;
-- ``sidecar.grpc.endpoint.GrpcEndpoint``: listening, TLS, health and reflection;
-- ``sidecar.session_ids.SessionKey`` (a tenant's session and its stored key form),
-  ``sidecar.sessions.manager.SessionManager`` (session id -> chain, ordering, idempotency, the store's one
-  owner), ``sidecar.sessions.snapshots.SnapshotWriter`` (write-behind snapshots, given to the manager),
-  ``sidecar.sessions.janitor`` (ending expired and freeing idle sessions), ``sidecar.turns.chat`` and
-  ``sidecar.turns.tool_calls`` (chat in, tool calls out), ``sidecar.grpc.auth`` (bearer token -> tenant);
-- ``sidecar.turns.hooks.ServerHooks``: callbacks at each RPC, turn and snapshot, for metrics.
+This module is the sidecar's front door: what an embedder imports. The parts live one concept to a
+file, grouped into rooms (docs/architecture.md, the sidecar's module map): ``sidecar.grpc`` (this
+server: ``SidecarServer`` in sidecar_server.py, the servicer, the endpoint, the status table, the
+settings in ``ServerOptions``), ``sidecar.turns`` (``TurnRunner``, the typed ``TurnRequest`` both
+fronts build, ``ServerHooks``), ``sidecar.sessions`` (``SessionManager``, the store's one owner, and
+the ``SnapshotWriter`` it is given), ``sidecar.engine_bridge`` (``EngineClient``, the only door to the
+engine thread) and ``sidecar.store``.
 """
 
 from __future__ import annotations
