@@ -18,8 +18,8 @@ import sys
 
 from engine.config import ConfigError
 from sidecar.cli.args import build_parser
-from sidecar.cli.serve import cmd_serve
 from sidecar.cli.engine_args import engine_config_from_args
+from sidecar.cli.serve import cmd_serve
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

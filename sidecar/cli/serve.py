@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from engine.config import EngineConfig
-    from sidecar.store.integrity import SnapshotKeys
     from sidecar.grpc.options import ServerOptions
     from sidecar.store.base import SessionStore
+    from sidecar.store.integrity import SnapshotKeys
 
 
 @dataclass
@@ -42,12 +42,12 @@ class ServeSetup:
 
 def prepare_serve(args: argparse.Namespace) -> tuple[ServeSetup, SessionStore | None] | int:
     """The setup and the opened store of ``chainkv serve ARGS``, or an exit code after printing why not."""
+    from sidecar.cli.serve_config import load_serve_settings
     from sidecar.grpc.endpoint import check_tls_files
-    from sidecar.store.integrity import load_keys
     from sidecar.grpc.logs import setup_logging
     from sidecar.grpc.ports import check_free
-    from sidecar.cli.serve_config import load_serve_settings
     from sidecar.store.errors import StoreError
+    from sidecar.store.integrity import load_keys
 
     try:
         config, options = load_serve_settings(args)

@@ -27,17 +27,17 @@ from engine.api import (
     TurnIndexMismatch,
 )
 from engine.config import ConfigError
-from sidecar.turns.structured import OutputSpecError
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-from sidecar.grpc.auth import Unauthenticated
-from sidecar.turns.chat import ChatError
 from sidecar.engine_bridge.client import EngineFailed
-from sidecar.store.integrity import SnapshotRejected
-from sidecar.turns.limits import QuotaExceeded, TurnTooLarge
-from sidecar.turns.protocol import InvalidRequest
-from sidecar.turns.errors import TurnAborted
+from sidecar.grpc.auth import Unauthenticated
 from sidecar.session_ids import BadSessionId
 from sidecar.store.errors import SnapshotRolledBack, StoreUnavailable
+from sidecar.store.integrity import SnapshotRejected
+from sidecar.turns.chat import ChatError
+from sidecar.turns.errors import TurnAborted
+from sidecar.turns.limits import QuotaExceeded, TurnTooLarge
+from sidecar.turns.protocol import InvalidRequest
+from sidecar.turns.structured import OutputSpecError
 
 
 class Draining(RuntimeError):

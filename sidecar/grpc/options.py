@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass
 
 from sidecar.grpc.auth import Authenticator, AuthSettings
+from sidecar.settings import setting, setting_group
 from sidecar.turns.limits import TenantLimits
 from sidecar.turns.protocol import Limits
-from sidecar.settings import setting, setting_group
 
 
 @dataclass

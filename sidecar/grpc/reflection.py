@@ -15,7 +15,8 @@ from typing import Iterable
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
-from grpc_reflection.v1alpha import reflection, reflection_pb2 as alpha
+from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection_pb2 as alpha
 
 ALPHA_SERVICE = reflection.SERVICE_NAME  # "grpc.reflection.v1alpha.ServerReflection"
 V1_SERVICE = "grpc.reflection.v1.ServerReflection"

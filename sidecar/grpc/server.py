@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from sidecar.grpc.endpoint import SERVICE
 from sidecar.grpc.errors import Draining, status_for
-from sidecar.turns.hooks import ServerHooks
 from sidecar.grpc.options import ServerOptions
 from sidecar.grpc.server_thread import ServerThread
 from sidecar.grpc.sidecar_server import SidecarServer
 from sidecar.turns.errors import TurnAborted
+from sidecar.turns.hooks import ServerHooks
 from sidecar.turns.runner import replay_events
 
 __all__ = [

@@ -13,10 +13,10 @@ import threading
 from typing import Any, Callable
 
 from engine.api import LLMEngine
-from sidecar.turns.hooks import ServerHooks
 from sidecar.grpc.options import ServerOptions
 from sidecar.grpc.sidecar_server import SidecarServer
 from sidecar.store.base import SessionStore
+from sidecar.turns.hooks import ServerHooks
 
 
 class ServerThread:

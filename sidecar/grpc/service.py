@@ -23,17 +23,17 @@ from google.protobuf.message import DecodeError
 
 from engine.api import METHODS, PruneRuleError, SessionExists, SessionInfo, SessionNotFound, check_policy, check_span
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-from sidecar.grpc.endpoint import SERVICE
 from sidecar.engine_bridge.client import EngineClient, PruneSpec
+from sidecar.grpc.endpoint import SERVICE
 from sidecar.grpc.errors import Draining, status_for, trailing_metadata_for
-from sidecar.turns.hooks import ServerHooks
 from sidecar.grpc.logs import bind_request
 from sidecar.grpc.options import ServerOptions
-from sidecar.turns.protocol import InvalidRequest, session_proto, stored_session_proto
 from sidecar.session_ids import BadSessionId, check_id, scoped_key
-from sidecar.turns.prune import prune_session
-from sidecar.sessions.record import Session
 from sidecar.sessions.manager import SessionManager
+from sidecar.sessions.record import Session
+from sidecar.turns.hooks import ServerHooks
+from sidecar.turns.protocol import InvalidRequest, session_proto, stored_session_proto
+from sidecar.turns.prune import prune_session
 from sidecar.turns.request import from_proto
 from sidecar.turns.runner import TurnRunner
 

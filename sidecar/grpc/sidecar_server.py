@@ -24,10 +24,8 @@ import logging
 import time
 
 from engine.api import LLMEngine
-from sidecar.turns.chat import ChatRenderer
-from sidecar.grpc.endpoint import NOT_SERVING, SERVING, GrpcEndpoint
 from sidecar.engine_bridge.client import EngineClient
-from sidecar.turns.hooks import ServerHooks
+from sidecar.grpc.endpoint import NOT_SERVING, SERVING, GrpcEndpoint
 from sidecar.grpc.options import ServerOptions
 from sidecar.grpc.service import SidecarService
 from sidecar.sessions.janitor import janitor_loop
@@ -37,6 +35,8 @@ from sidecar.sessions.snapshots import SnapshotWriter
 from sidecar.store.base import SessionStore
 from sidecar.store.errors import StoreUnavailable
 from sidecar.store.health import StoreHealth
+from sidecar.turns.chat import ChatRenderer
+from sidecar.turns.hooks import ServerHooks
 from sidecar.turns.runner import TurnRunner
 from sidecar.turns.validation import BYTES_PER_TOKEN
 

@@ -15,19 +15,19 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, AsyncIterator, Mapping
 
-from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-from sidecar.http.errors import invalid
-from sidecar.engine_bridge.client import PruneSpec
 from engine.api import SessionInfo
+from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
+from sidecar.engine_bridge.client import PruneSpec
 from sidecar.engine_bridge.results import PruneResult
 from sidecar.grpc.errors import Draining
-from sidecar.turns.prune import prune_session
+from sidecar.http.errors import invalid
 from sidecar.session_ids import scoped_key
 from sidecar.sessions.record import Session
-from sidecar.turns.structured import OutputSpecError
 from sidecar.store.record import StoredSession
 from sidecar.store.transcript_index import Found, StoredTranscripts
+from sidecar.turns.prune import prune_session
 from sidecar.turns.request import TurnRequest
+from sidecar.turns.structured import OutputSpecError
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 from collections import OrderedDict
-import re
 from typing import Any
 
 FRONT_KEY = "chat_transcript"

@@ -17,8 +17,8 @@ from typing import Any
 
 from engine.api import MAX_PRIORITY, MethodSpec
 from sidecar.http.errors import OpenAIError, invalid
-from sidecar.turns.structured import OutputSpecError, schema_text
 from sidecar.turns.request import AgentHints, SessionControl, Tool, TurnRequest
+from sidecar.turns.structured import OutputSpecError, schema_text
 
 INT32 = 2**31 - 1
 INT64 = 2**63 - 1

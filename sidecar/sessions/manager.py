@@ -40,10 +40,10 @@ from sidecar.sessions.ended import EndedSessions
 from sidecar.sessions.loading import StoreBehind, behind_expected, fetch_committed, load_committed
 from sidecar.sessions.record import Running, Session
 from sidecar.sessions.snapshots import SnapshotWriter
+from sidecar.store import transcript_index
 from sidecar.store.base import SessionStore
 from sidecar.store.errors import StoreUnavailable
 from sidecar.store.record import StoredSession
-from sidecar.store import transcript_index
 from sidecar.store.transcript_index import StoredTranscripts
 
 log = logging.getLogger(__name__)

@@ -31,8 +31,8 @@ from sidecar.sessions.record import Session
 from sidecar.sessions.snapshot_codec import join_snapshot, split_snapshot
 from sidecar.store.base import SessionStore
 from sidecar.store.errors import GenerationConflict, StoreError, StoreUnavailable
-from sidecar.store.record import StoredSession
 from sidecar.store.health import StoreHealth
+from sidecar.store.record import StoredSession
 
 __all__ = ["SnapshotWriter", "join_snapshot", "split_snapshot"]  # the codec's home: sidecar.sessions.snapshot_codec
 

@@ -23,8 +23,6 @@ from typing import Any
 
 from sidecar.store.base import DEFAULT_CHUNK_BYTES, DEFAULT_TTL_S, SessionStore
 from sidecar.store.directory_store import OWN_FILE_RE, OWN_FOLDER_RE, DirectoryStore, folder_name
-from sidecar.store.record import FORMAT, Checksum, StoredSession, decode_fields, encode_fields, fence_bytes
-from sidecar.store.redis_store import RedisStore
 from sidecar.store.errors import (
     GenerationConflict,
     SnapshotRejected,
@@ -32,6 +30,8 @@ from sidecar.store.errors import (
     StoreError,
     StoreUnavailable,
 )
+from sidecar.store.record import FORMAT, Checksum, StoredSession, decode_fields, encode_fields, fence_bytes
+from sidecar.store.redis_store import RedisStore
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",

@@ -23,7 +23,6 @@ import time
 from typing import Any
 
 from sidecar.session_ids import SessionKey
-from sidecar.store.record import Checksum, StoredSession, decode_fields, encode_fields, fence_bytes
 from sidecar.store.errors import (
     GenerationConflict,
     SnapshotRejected,
@@ -31,6 +30,7 @@ from sidecar.store.errors import (
     StoreError,
     StoreUnavailable,
 )
+from sidecar.store.record import Checksum, StoredSession, decode_fields, encode_fields, fence_bytes
 
 DEFAULT_TTL_S = 7 * 24 * 3600
 DEFAULT_CHUNK_BYTES = 4 * 2**20

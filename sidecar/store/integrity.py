@@ -28,9 +28,9 @@ from pathlib import Path
 
 import msgpack
 
-from sidecar.store.record import Checksum
 from sidecar.session_ids import SessionKey
 from sidecar.store.errors import SnapshotRejected
+from sidecar.store.record import Checksum
 
 MIN_KEY_BYTES = 16
 MAC_FIELD = "mac"

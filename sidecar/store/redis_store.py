@@ -17,8 +17,8 @@ from typing import Any
 import msgpack
 
 from sidecar.store.base import SessionStore
-from sidecar.store.record import decode_fields
 from sidecar.store.errors import GenerationConflict, StoreError, StoreUnavailable
+from sidecar.store.record import decode_fields
 
 _COMMIT_LUA = """
 -- KEYS[1]: the session's meta hash; KEYS[2]: its fence. ARGV[1]: the generation the writer expects

@@ -42,9 +42,9 @@ import msgpack
 from sidecar.session_ids import BadSessionId, SessionKey
 from sidecar.store.base import SessionStore
 from sidecar.store.directory_store import DirectoryStore
+from sidecar.store.errors import StoreError, StoreUnavailable
 from sidecar.store.record import StoredSession
 from sidecar.store.redis_store import RedisStore
-from sidecar.store.errors import StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -28,14 +28,14 @@ from engine.api import (
     get_method_class,
 )
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-from sidecar.turns.chat import ROLES, ChatError, ToolSpec, tool_from_json
 from sidecar.session_ids import BadSessionId, check_id
 from sidecar.sessions.record import Session
-from sidecar.turns.limits import TurnTooLarge
 from sidecar.settings import setting
-from sidecar.turns.validation import JsonTooDeep, check_turn_bytes, loads_bounded
-from sidecar.turns.structured import OutputSpec, OutputSpecError
+from sidecar.turns.chat import ROLES, ChatError, ToolSpec, tool_from_json
+from sidecar.turns.limits import TurnTooLarge
 from sidecar.turns.request import Message, TurnRequest
+from sidecar.turns.structured import OutputSpec, OutputSpecError
+from sidecar.turns.validation import JsonTooDeep, check_turn_bytes, loads_bounded
 
 TIERS = {
     "new": pb.TIER_NEW,

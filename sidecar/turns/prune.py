@@ -12,9 +12,9 @@ from __future__ import annotations
 from engine.api import SessionNotFound
 from sidecar.engine_bridge.client import EngineClient, PruneSpec
 from sidecar.engine_bridge.results import PruneResult
-from sidecar.turns.hooks import ServerHooks
 from sidecar.session_ids import SessionKey
 from sidecar.sessions.manager import SessionManager
+from sidecar.turns.hooks import ServerHooks
 
 
 async def prune_session(

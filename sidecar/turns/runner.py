@@ -35,19 +35,19 @@ from typing import AsyncIterator, Callable
 
 from engine.api import CapacityError, ConstraintError, SessionError, SessionInfo, TurnSpec
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-from sidecar.turns.chat import ChatRenderer, tools_digest
 from sidecar.engine_bridge.client import EngineClient
 from sidecar.engine_bridge.results import TurnResult
+from sidecar.session_ids import SessionKey
+from sidecar.sessions.manager import SessionManager
+from sidecar.sessions.record import Running, Session
+from sidecar.turns.chat import ChatRenderer, tools_digest
+from sidecar.turns.errors import SequenceFailed, TurnAborted
 from sidecar.turns.hooks import ServerHooks
 from sidecar.turns.limits import QuotaExceeded, TenantLimits
 from sidecar.turns.protocol import FINISH, TIERS, Limits, TurnArgs, parse_turn, tool_call_proto
-from sidecar.session_ids import SessionKey
-from sidecar.sessions.record import Running, Session
-from sidecar.sessions.manager import SessionManager
+from sidecar.turns.request import TurnRequest
 from sidecar.turns.structured import OutputSpecError, tools_from_meta
 from sidecar.turns.tool_calls import PlainText, ToolCallParser
-from sidecar.turns.errors import SequenceFailed, TurnAborted
-from sidecar.turns.request import TurnRequest
 from sidecar.turns.validation import check_same_request
 
 log = logging.getLogger(__name__)
