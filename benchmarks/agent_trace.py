@@ -186,9 +186,9 @@ def random_weight_dir(shape: str, tokenizer: Path) -> str:
 
 def start_sidecar(args):
     from engine.llm import LLMEngine
-    from sidecar.engine_args import engine_config_from_args
-    from sidecar.protocol import Limits
-    from sidecar.server import ServerOptions, ServerThread
+    from sidecar.cli.engine_args import engine_config_from_args
+    from sidecar.turns.protocol import Limits
+    from sidecar.grpc.server import ServerOptions, ServerThread
 
     if args.random_weights:
         if not args.tokenizer or not Path(args.tokenizer).is_dir():
@@ -210,7 +210,7 @@ def start_sidecar(args):
 
 
 def main() -> None:
-    from sidecar.engine_args import add_engine_args
+    from sidecar.cli.engine_args import add_engine_args
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="nochain,dense,snapkv,quest,dense+prune")

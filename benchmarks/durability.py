@@ -82,7 +82,7 @@ def run_mode(engine, store_url: str, mode: str, sessions: int, turns: int, max_t
 
     from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
     from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
-    from sidecar.server import ServerOptions, ServerThread
+    from sidecar.grpc.server import ServerOptions, ServerThread
     from sidecar.store import open_store
 
     srv = ServerThread(engine, ServerOptions(port=0, durability=mode), open_store(store_url))

@@ -131,7 +131,7 @@ def main() -> None:
     from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
     from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
     from sidecar.http.app import HttpFront, HttpOptions
-    from sidecar.server import ServerOptions, ServerThread
+    from sidecar.grpc.server import ServerOptions, ServerThread
 
     engine = LLMEngine(EngineConfig(model=args.model, num_pages=20000, prefill_chunk_size=256))
     srv = ServerThread(engine, ServerOptions(port=0))

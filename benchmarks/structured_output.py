@@ -94,9 +94,9 @@ def main() -> None:
     from engine.constrained import STRING_LOOP_WINDOW, Constraint
     from engine.llm import LLMEngine
     from engine.sampling import SamplingParams
-    from sidecar.chat import ChatRenderer, ToolSpec
-    from sidecar.structured import tool_call_constraint
-    from sidecar.tool_calls import ToolCallParser
+    from sidecar.turns.chat import ChatRenderer, ToolSpec
+    from sidecar.turns.structured import tool_call_constraint
+    from sidecar.turns.tool_calls import ToolCallParser
 
     engine = LLMEngine(EngineConfig(model=args.model, num_pages=20000, prefill_chunk_size=128))
     review = Constraint.json_schema(cases.REVIEW)

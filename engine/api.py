@@ -10,7 +10,7 @@ here is typed:
 - out: ``SessionInfo`` (with its ``SpanInfo`` and ``PruneRecord`` tuples and its last turn's
   ``RecallTraffic``), ``RequestOutput`` per
   step, ``ModelInfo``, ``EngineStats`` and ``SessionSnapshot`` to store;
-- the errors a request can cause, each a type a server maps to a status (sidecar/errors.py).
+- the errors a request can cause, each a type a server maps to a status (sidecar/grpc/errors.py).
 
     engine = LLMEngine(EngineConfig(method="snapkv", budget=256))
     engine.submit_turn("s", TurnSpec(tokens, SamplingParams(max_tokens=32), role="user"))

@@ -22,7 +22,7 @@ from langchain_core.messages import BaseMessage, HumanMessage, SystemMessage
 from langchain_core.tools import tool
 
 from agent_adapters.langchain import ChatChainKV
-from sidecar.demo import calculate  # the sidecar demo's calculator: arithmetic on the syntax tree, no eval()
+from sidecar.cli.demo import calculate  # the sidecar demo's calculator: arithmetic on the syntax tree, no eval()
 
 
 @tool

@@ -192,7 +192,7 @@ def tiny_chat_dir(tmp_path_factory, smollm2_dir):
 def tiny_chat_server(tiny_chat_dir):
     """One in-process sidecar (gRPC, no store, default options) on an engine of ``tiny_chat_dir``, shared by
     the modules that need only "a server on the tiny chat model" (they use their own session ids)."""
-    from sidecar.server import ServerOptions, ServerThread
+    from sidecar.grpc.server import ServerOptions, ServerThread
 
     engine = make_engine(tiny_chat_dir, num_pages=4000, prefill_chunk_size=128, max_model_len=2048)
     server = ServerThread(engine, ServerOptions(port=0))

@@ -50,7 +50,7 @@ SYSTEM = "You are a concise assistant."
 
 @pytest.fixture(scope="module")
 def sidecar(smol_engine):
-    from sidecar.server import ServerOptions, ServerThread
+    from sidecar.grpc.server import ServerOptions, ServerThread
 
     server = ServerThread(smol_engine, ServerOptions(port=0))
     port = server.start()

@@ -22,10 +22,10 @@ BETA = (("authorization", "Bearer tok-beta"),)
 
 @pytest.fixture(scope="module")
 def live(tiny_chat_dir):
-    from sidecar.auth import Authenticator
+    from sidecar.grpc.auth import Authenticator
     from sidecar.http.app import HttpFront, HttpOptions
-    from sidecar.limits import TenantLimits
-    from sidecar.server import ServerOptions, ServerThread
+    from sidecar.turns.limits import TenantLimits
+    from sidecar.grpc.server import ServerOptions, ServerThread
 
     engine = make_engine(
         tiny_chat_dir,

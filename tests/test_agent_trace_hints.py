@@ -20,8 +20,8 @@ from benchmarks.agent_hints import HintPolicy, TurnHints
 from benchmarks.agent_trace_sessions import Config, config_names, run_config
 from benchmarks.agent_trace_shape import TraceParams, make_trace
 from engine.chain.hints import SessionHints
-from sidecar.protocol import session_hints
-from sidecar.turn_request import from_proto
+from sidecar.turns.protocol import session_hints
+from sidecar.turns.request import from_proto
 
 
 class RecordingClient:

@@ -314,9 +314,9 @@ def test_smollm2_json_schema_on_twenty_prompts(smol_engine):
 
 @pytest.mark.slow
 def test_smollm2_forced_tool_calls_are_well_formed(smol_engine):
-    from sidecar.chat import ChatRenderer, ToolSpec
-    from sidecar.structured import tool_call_constraint
-    from sidecar.tool_calls import ToolCallParser
+    from sidecar.turns.chat import ChatRenderer, ToolSpec
+    from sidecar.turns.structured import tool_call_constraint
+    from sidecar.turns.tool_calls import ToolCallParser
 
     tools = [
         ToolSpec(

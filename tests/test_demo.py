@@ -16,7 +16,7 @@ def target(tiny_chat_server):
 
 
 def test_the_demo_makes_real_tool_round_trips_and_shows_reuse(target):
-    from sidecar.demo import run_demo, run_tool
+    from sidecar.cli.demo import run_demo, run_tool
 
     address, server = target
     out = io.StringIO()

@@ -101,9 +101,9 @@ def test_native_sidecar_probes_resources_and_security(rendered):
 def test_configured_settings_are_what_chainkv_reads(rendered, tmp_path):
     """The ConfigMap's chainkv.yaml goes through the same loader as ``chainkv serve --config``
     (unknown keys fail), with the env the Deployment sets pointing at the Secret's files."""
-    from sidecar.cli import build_parser
-    from sidecar.integrity import SnapshotKeys
-    from sidecar.serve_config import load_serve_settings
+    from sidecar.cli.main import build_parser
+    from sidecar.store.integrity import SnapshotKeys
+    from sidecar.cli.serve_config import load_serve_settings
 
     overlay, objs = rendered
     config = tmp_path / "chainkv.yaml"
@@ -170,8 +170,8 @@ def test_pool_manifests_pass_strict_validation(pool):
 
 
 def test_pool_replicas_are_probed_over_grpc_health_and_run_their_config(pool, tmp_path):
-    from sidecar.cli import build_parser
-    from sidecar.serve_config import load_serve_settings
+    from sidecar.cli.main import build_parser
+    from sidecar.cli.serve_config import load_serve_settings
 
     deployment = pool[("Deployment", "chainkv")]
     assert deployment["spec"]["replicas"] >= 2

@@ -18,8 +18,8 @@ from engine.chain import SessionHints, SessionNotFound
 from engine.prune_rule import PruneRuleError
 from engine.sampling import SamplingParams
 from engine.api import EngineStats, SessionInfo, TurnSpec
-from sidecar.engine_client import EngineClient, EngineFailed, PruneSpec
-from sidecar.engine_results import TurnResult
+from sidecar.engine_bridge.client import EngineClient, EngineFailed, PruneSpec
+from sidecar.engine_bridge.results import TurnResult
 
 from tests.conftest import make_engine
 

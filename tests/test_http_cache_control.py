@@ -9,7 +9,7 @@ import json
 import pytest
 from http_fixtures import call, chat, live_server, reply_of
 
-from sidecar.session_janitor import evict_idle
+from sidecar.sessions.janitor import evict_idle
 
 SYSTEM = {"role": "system", "content": "You answer briefly."}
 

@@ -30,9 +30,9 @@ class Live:
     """A sidecar (ServerThread) with its HTTP front, on one engine and one store."""
 
     def __init__(self, engine, store, **options):
-        from sidecar.auth import Authenticator
+        from sidecar.grpc.auth import Authenticator
         from sidecar.http.app import HttpFront, HttpOptions
-        from sidecar.server import ServerOptions, ServerThread
+        from sidecar.grpc.server import ServerOptions, ServerThread
 
         self.thread = ServerThread(engine, ServerOptions(port=0, auth=Authenticator(TOKENS), **options), store)
         self.thread.start()

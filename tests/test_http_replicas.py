@@ -185,7 +185,7 @@ def test_responses_with_durability_sync_resolve_after_the_replica_stops_writing(
     Right after each response the replica's store stops taking writes (as if it had died there), and a
     second replica on the same store retrieves that response and continues from it."""
     from sidecar.store import DirectoryStore
-    from sidecar.store_errors import StoreUnavailable
+    from sidecar.store.errors import StoreUnavailable
 
     class DiesAfterTheReply(DirectoryStore):
         frozen = False

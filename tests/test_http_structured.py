@@ -91,7 +91,7 @@ def scripted(monkeypatch):
     """``scripted(text)``: every turn's reply is ``text`` (a grammar that allows nothing else), under
     whatever ``tool_choice`` the request gives: what a model could write, made deterministic."""
     from engine.constrained import Constraint
-    from sidecar.structured import OutputSpec
+    from sidecar.turns.structured import OutputSpec
 
     def script(text: str) -> None:
         grammar = Constraint("grammar", "root ::= " + json.dumps(text))

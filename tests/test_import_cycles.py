@@ -203,3 +203,77 @@ def test_engine_never_imports_the_sidecar():
     for module, path in module_files("engine").items():
         imported |= imports_of(module, path, {**module_files("engine"), **module_files("sidecar")})
     assert not [m for m in imported if _under(m, "sidecar")]
+
+
+SIDECAR_ROOMS = (
+    "sidecar.cli",
+    "sidecar.http",
+    "sidecar.grpc",
+    "sidecar.turns",
+    "sidecar.sessions",
+    "sidecar.engine_bridge",
+    "sidecar.store",
+)
+"""The sidecar's rooms, top to bottom (docs/architecture.md, the sidecar's module map). A module may
+import modules of its own room and of the rooms below it, never of one above: the command line
+starts the fronts, the HTTP front runs on the gRPC server's ``SidecarServer``, the server hands
+turns to the turn runner, turns take sessions, sessions reach the engine through its bridge and
+keep their snapshots in the store."""
+
+SIDECAR_FOUNDATION = ("sidecar", "sidecar.session_ids", "sidecar.settings", "sidecar.protogen", "sidecar._proto")
+"""Below every room: the session-id header and key (which an agent's client imports too), the
+settings declaration, the generated stubs and their generator. They import no room."""
+
+
+def sidecar_room(module: str) -> int | None:
+    """The rank of ``module``'s room (0 is the top), ``len(SIDECAR_ROOMS)`` for the foundation, None
+    for a module in neither."""
+    for rank, room in enumerate(SIDECAR_ROOMS):
+        if _under(module, room):
+            return rank
+    if module in SIDECAR_FOUNDATION or _under(module, "sidecar._proto"):
+        return len(SIDECAR_ROOMS)
+    return None
+
+
+def room_violations(graph: nx.DiGraph) -> list[str]:
+    """``a -> b`` for every import of a sidecar module from a room above it (or from the
+    foundation), and ``a: in no room`` for a sidecar module outside the rooms and the foundation."""
+    bad = [f"{m}: in no room" for m in graph if _under(m, "sidecar") and sidecar_room(m) is None]
+    for a, b in graph.edges():
+        ra, rb = sidecar_room(a), sidecar_room(b)
+        if ra is not None and rb is not None and rb < ra:
+            bad.append(f"{a} -> {b}")
+    return sorted(bad)
+
+
+def test_the_sidecar_rooms_point_down():
+    bad = room_violations(import_graph(["sidecar"]))
+    assert not bad, "imports against the sidecar's room order (SIDECAR_ROOMS):\n" + "\n".join(bad)
+
+
+def test_the_room_rule_catches_an_upward_import(tmp_path):
+    """The rule can fail: a session module importing the server's settings (as the janitor did
+    before it read them through a protocol), a foundation module importing a room, and a module
+    left outside the rooms are reported; a front importing the sessions below it is not."""
+    files = {
+        "sidecar/__init__.py": "",
+        "sidecar/settings.py": "from sidecar.store.base import S\n",
+        "sidecar/stray.py": "",
+        "sidecar/store/__init__.py": "",
+        "sidecar/store/base.py": "from sidecar.settings import setting\n",
+        "sidecar/sessions/__init__.py": "",
+        "sidecar/sessions/janitor.py": "def loop():\n    from sidecar.grpc.options import ServerOptions\n",
+        "sidecar/grpc/__init__.py": "",
+        "sidecar/grpc/options.py": "",
+        "sidecar/http/__init__.py": "",
+        "sidecar/http/backend.py": "from sidecar.sessions import janitor\nfrom sidecar.grpc import options\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert room_violations(import_graph(["sidecar"], tmp_path)) == [
+        "sidecar.sessions.janitor -> sidecar.grpc.options",
+        "sidecar.settings -> sidecar.store.base",
+        "sidecar.stray: in no room",
+    ]

@@ -12,8 +12,8 @@ import pytest
 from engine.config import ConfigError, EngineConfig
 from engine.llm import LLMEngine
 from engine.model.loader import ModelLoadError, resolve_model_dir
-from sidecar.cli import build_parser
-from sidecar.engine_args import engine_config_from_args
+from sidecar.cli.main import build_parser
+from sidecar.cli.engine_args import engine_config_from_args
 
 
 def test_missing_paths_and_files(tmp_path):

@@ -157,14 +157,14 @@ def _turn(**options):
 
 def _parsed(req, limits):
     """The sidecar's checks of a gRPC TurnRequest (its Turn converts it to the typed request first)."""
-    from sidecar.protocol import parse_turn
-    from sidecar.turn_request import from_proto
+    from sidecar.turns.protocol import parse_turn
+    from sidecar.turns.request import from_proto
 
     return parse_turn(from_proto(req), limits)
 
 
 def test_turn_request_penalties_reach_sampling_params():
-    from sidecar.protocol import Limits
+    from sidecar.turns.protocol import Limits
 
     args = _parsed(_turn(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.3), Limits())
     assert (args.params.presence_penalty, args.params.frequency_penalty, args.params.repetition_penalty) == (
@@ -182,7 +182,7 @@ def test_turn_request_penalties_reach_sampling_params():
     + [("repetition_penalty", v) for v in (float("nan"), -float("inf"), 0.0, -1.0, 1e-300, 1e300)],
 )
 def test_hostile_turn_request_penalties_are_invalid_requests(name, value):
-    from sidecar.protocol import InvalidRequest, Limits
+    from sidecar.turns.protocol import InvalidRequest, Limits
 
     with pytest.raises(InvalidRequest, match=name):
         _parsed(_turn(**{name: value}), Limits())

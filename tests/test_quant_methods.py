@@ -290,7 +290,7 @@ def test_cli_generate_and_help_list_the_quantization_methods(generate_help):
 def test_sidecar_serves_a_kivi_session(kivi2, tmp_path):
     from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
     from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
-    from sidecar.server import ServerOptions, ServerThread
+    from sidecar.grpc.server import ServerOptions, ServerThread
     from sidecar.store import DirectoryStore
 
     server = ServerThread(kivi2, ServerOptions(port=0), DirectoryStore(tmp_path))

@@ -58,8 +58,8 @@ def test_ci_runs_the_readme_test_command():
     "argv", [argv for _, argv in chainkv_commands()], ids=[f"line{n}" for n, _ in chainkv_commands()]
 )
 def test_every_chainkv_command_in_the_readme_parses(argv, capsys):
-    from sidecar.cli_args import build_parser
-    from sidecar.engine_args import engine_config_from_args
+    from sidecar.cli.args import build_parser
+    from sidecar.cli.engine_args import engine_config_from_args
 
     parser = build_parser()
     if "--help" in argv:
@@ -74,8 +74,8 @@ def test_every_chainkv_command_in_the_readme_parses(argv, capsys):
 
 def test_the_snippets_talk_to_the_server_the_readme_starts():
     """The first command starts one server with both fronts; every address a Python block uses is one of them."""
-    from sidecar.cli_args import build_parser
-    from sidecar.serve_config import load_serve_settings
+    from sidecar.cli.args import build_parser
+    from sidecar.cli.serve_config import load_serve_settings
 
     first = next(argv for _, argv in chainkv_commands() if argv[:1] == ["serve"])
     _, o = load_serve_settings(build_parser().parse_args(first), environ={})

@@ -79,7 +79,7 @@ def test_an_empty_prompt_on_stdin_is_refused(tmp_path):
 
 def test_each_rendering_thread_has_its_own_tokenizer(smollm2_dir):
     from engine.model.loader import load_tokenizer
-    from sidecar.chat import ChatRenderer
+    from sidecar.turns.chat import ChatRenderer
 
     tok = load_tokenizer(Path(smollm2_dir))
     renderer = ChatRenderer(tok, {tok.eos_token_id})

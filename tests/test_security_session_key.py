@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from sidecar.session_ids import BadSessionId, SessionKey, scoped_key
-from sidecar.transcript_index import StoredTranscripts
+from sidecar.store.transcript_index import StoredTranscripts
 
 HOSTILE_IDS = [
     ("empty", ""),

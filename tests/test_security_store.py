@@ -21,10 +21,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sidecar.integrity import SnapshotKeys, SnapshotRejected
+from sidecar.store.integrity import SnapshotKeys, SnapshotRejected
 from sidecar.session_ids import BadSessionId, check_id, scoped_key
-from sidecar.session_record import Session
-from sidecar.snapshots import SnapshotWriter, store_regressed
+from sidecar.sessions.record import Session
+from sidecar.sessions.snapshots import SnapshotWriter, store_regressed
 from sidecar.store import DirectoryStore, GenerationConflict, RedisStore, SnapshotRolledBack, StoredSession, folder_name
 
 
@@ -216,7 +216,7 @@ def test_regression_is_told_apart_from_a_newer_replica():
 
 
 class _FakeEngineClient:
-    """The writer's view of the engine (sidecar.engine_client.EngineClient): a fixed session snapshot."""
+    """The writer's view of the engine (sidecar.engine_bridge.client.EngineClient): a fixed session snapshot."""
 
     def __init__(self, generation: int, turn: int):
         from engine.cache.snapshot import SessionSnapshot

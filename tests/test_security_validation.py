@@ -1,4 +1,4 @@
-"""The per-request bounds (sidecar/validation.py): JSON depth measured without recursion, turn text
+"""The per-request bounds (sidecar/turns/validation.py): JSON depth measured without recursion, turn text
 bounded in bytes, a request_id bound to its request's content."""
 
 from __future__ import annotations
@@ -10,10 +10,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-from sidecar.chat import ChatError, tool_from_json
-from sidecar.limits import TurnTooLarge
-from sidecar.tool_calls import ToolCallParser
-from sidecar.validation import JsonTooDeep, check_turn_bytes, json_depth, loads_bounded, request_digest, turn_text_bytes
+from sidecar.turns.chat import ChatError, tool_from_json
+from sidecar.turns.limits import TurnTooLarge
+from sidecar.turns.tool_calls import ToolCallParser
+from sidecar.turns.validation import (
+    JsonTooDeep,
+    check_turn_bytes,
+    json_depth,
+    loads_bounded,
+    request_digest,
+    turn_text_bytes,
+)
 
 _json = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(), st.text(alphabet='[]{}"\\ab:,', max_size=6)),

@@ -404,7 +404,7 @@ def test_shipped_smollm2_pattern(smol_engine):
 # --- 4. CLI, --help and the sidecar's request fields -------------------------------------------------------------
 @pytest.mark.slow  # generates with SmolLM2
 def test_methods_in_help_and_cli(capsys):
-    from sidecar.cli import build_parser, main
+    from sidecar.cli.main import build_parser, main
 
     text = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
     for name in NEW_METHODS:
@@ -436,8 +436,8 @@ def test_methods_in_help_and_cli(capsys):
 
 def test_sidecar_request_fields_build_each_method(smol_engine):
     from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-    from sidecar.protocol import InvalidRequest, method_spec
-    from sidecar.turn_request import from_proto
+    from sidecar.turns.protocol import InvalidRequest, method_spec
+    from sidecar.turns.request import from_proto
 
     cases = {
         "quest": {"dense_layers": "1"},

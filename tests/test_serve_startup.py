@@ -101,9 +101,9 @@ def engine(tiny_chat_dir):
 
 
 def test_health_follows_the_store_and_its_errors_are_logged_once_a_minute(engine, stopped_redis, caplog):
-    from sidecar.auth import Authenticator
+    from sidecar.grpc.auth import Authenticator
     from sidecar.http.app import HttpFront, HttpOptions
-    from sidecar.server import ServerOptions, ServerThread
+    from sidecar.grpc.server import ServerOptions, ServerThread
     from sidecar.store import RedisStore
 
     caplog.set_level(logging.WARNING)
@@ -154,7 +154,7 @@ def test_health_follows_the_store_and_its_errors_are_logged_once_a_minute(engine
 
 
 def test_a_store_down_at_start_stops_it_unless_allowed_then_health_waits_for_it(engine, stopped_redis):
-    from sidecar.server import ServerOptions, ServerThread
+    from sidecar.grpc.server import ServerOptions, ServerThread
     from sidecar.store import RedisStore, StoreUnavailable
 
     with pytest.raises(StoreUnavailable, match="cannot be reached"):

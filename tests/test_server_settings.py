@@ -1,4 +1,4 @@
-"""Every server setting is declared once, on ServerOptions (sidecar/options.py), and has exactly one
+"""Every server setting is declared once, on ServerOptions (sidecar/grpc/options.py), and has exactly one
 flag, one environment variable and one YAML key, all derived from its name.
 
 ``TABLE`` holds, for every setting, a value other than its default: as the flag and the environment
@@ -17,12 +17,12 @@ import pytest
 import yaml
 
 from engine.config import EngineConfig
-from sidecar.auth import AuthSettings
-from sidecar.cli_args import build_parser
-from sidecar.limits import TenantLimits
-from sidecar.options import ServerOptions
-from sidecar.protocol import Limits
-from sidecar.serve_config import load_serve_settings
+from sidecar.grpc.auth import AuthSettings
+from sidecar.cli.args import build_parser
+from sidecar.turns.limits import TenantLimits
+from sidecar.grpc.options import ServerOptions
+from sidecar.turns.protocol import Limits
+from sidecar.cli.serve_config import load_serve_settings
 from sidecar.settings import SettingError, setting, settings_of
 
 TOKENS_FILE = "{tokens}"
@@ -185,7 +185,7 @@ def test_a_field_that_is_not_declared_as_a_setting_is_refused():
 def test_tensor_parallel_rank0_gets_the_setup_as_read(tmp_path):
     """rank 0 is another process (spawn): what it gets is the parent's ServeSetup, pickled, with the
     tokens already read (it does not read flags, env, YAML or token files again)."""
-    from sidecar.cli_serve import ServeSetup
+    from sidecar.cli.serve import ServeSetup
 
     tokens = tmp_path / "tokens"
     tokens.write_text("f1le beta\n")

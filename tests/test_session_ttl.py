@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from agent_adapters.client import ChainKVClient, ChainKVError
-from sidecar.options import ServerOptions
+from sidecar.grpc.options import ServerOptions
 from tests.conftest import make_engine
 
 
@@ -34,7 +34,7 @@ def _gone(c: ChainKVClient, sid: str, wait_s: float = 60.0) -> bool:
 
 
 def _server(engine, store=None, **kw):
-    from sidecar.server import ServerThread
+    from sidecar.grpc.server import ServerThread
 
     server = ServerThread(engine, ServerOptions(port=0, **kw), store)
     return server, f"127.0.0.1:{server.start()}"
@@ -88,8 +88,8 @@ def test_a_bad_ttl_is_refused(bad):
 
 
 def test_the_cli_and_yaml_name(tmp_path):
-    from sidecar.cli import build_parser
-    from sidecar.serve_config import load_serve_settings
+    from sidecar.cli.main import build_parser
+    from sidecar.cli.serve_config import load_serve_settings
 
     parser = build_parser()
     assert parser.parse_args(["serve", "--store-ttl", "5"]).session_ttl_s == 5.0

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from sidecar.chat import ChatError, ChatRenderer, ToolSpec
-from sidecar.tool_calls import ToolCallParser, parse_call
+from sidecar.turns.chat import ChatError, ChatRenderer, ToolSpec
+from sidecar.turns.tool_calls import ToolCallParser, parse_call
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ import grpc  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb  # noqa: E402
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc  # noqa: E402
-from sidecar.chat import ChatRenderer  # noqa: E402
-from sidecar.server import ServerOptions, ServerThread  # noqa: E402
+from sidecar.turns.chat import ChatRenderer  # noqa: E402
+from sidecar.grpc.server import ServerOptions, ServerThread  # noqa: E402
 from sidecar.store import DirectoryStore  # noqa: E402
 from tests.conftest import make_engine  # noqa: E402
 

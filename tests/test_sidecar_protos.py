@@ -48,8 +48,14 @@ def test_the_method_settings_are_spelled_the_way_method_spec_declares_them():
     from engine.api import MethodSpec
     from engine.config import EngineConfig
     from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-    from sidecar.protocol import InvalidRequest, method_fields, method_spec, request_method_fields, set_method_fields
-    from sidecar.turn_request import TurnRequest, from_proto
+    from sidecar.turns.protocol import (
+        InvalidRequest,
+        method_fields,
+        method_spec,
+        request_method_fields,
+        set_method_fields,
+    )
+    from sidecar.turns.request import TurnRequest, from_proto
 
     config = {f.name: f for f in dataclasses.fields(EngineConfig)}
     for f in dataclasses.fields(MethodSpec):

@@ -1,4 +1,4 @@
-"""gRPC server reflection v1 and v1alpha on the sidecar's endpoint (sidecar/reflection.py): both list
+"""gRPC server reflection v1 and v1alpha on the sidecar's endpoint (sidecar/grpc/reflection.py): both list
 the services and describe the Sidecar service; v1 describes itself under its own package."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2 as rpb
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from sidecar.endpoint import SERVICE, GrpcEndpoint
-from sidecar.options import ServerOptions
-from sidecar.reflection import ALPHA_SERVICE, V1_SERVICE
+from sidecar.grpc.endpoint import SERVICE, GrpcEndpoint
+from sidecar.grpc.options import ServerOptions
+from sidecar.grpc.reflection import ALPHA_SERVICE, V1_SERVICE
 
 
 @pytest.fixture(scope="module")

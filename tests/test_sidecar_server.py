@@ -19,8 +19,8 @@ import pytest
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
-from sidecar.errors import TURN_INDEX_CONFLICT_KEY
-from sidecar.turn_request import from_proto
+from sidecar.grpc.errors import TURN_INDEX_CONFLICT_KEY
+from sidecar.turns.request import from_proto
 
 from tests.sidecar_proc import ALPHA, BETA, TOKENS, Sidecar, committed, request, run, serving, turn_events, wait_for
 
@@ -57,8 +57,8 @@ def replicas(redis_proc):
 @pytest.fixture(scope="module")
 def local(smol_engine, redis_proc):
     """Sidecar C in this process (so the tests can read its engine's counters)."""
-    from sidecar.auth import Authenticator
-    from sidecar.server import ServerOptions, ServerThread
+    from sidecar.grpc.auth import Authenticator
+    from sidecar.grpc.server import ServerOptions, ServerThread
     from sidecar.store import RedisStore
 
     options = ServerOptions(
@@ -354,7 +354,7 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(local, smol_
 def test_demo_runs_a_session_against_the_sidecar(local):
     import io
 
-    from sidecar.demo import calculate, run_demo
+    from sidecar.cli.demo import calculate, run_demo
 
     server, _, _ = local
     assert calculate("37 * (40 + 1)") == "1517" and calculate("__import__('os')").startswith("error")

@@ -127,7 +127,7 @@ def test_engine_session_round_trips_through_the_directory_store(tiny_models, tmp
     """A session snapshot, split into record + KV chunks, written, read back and loaded into a
     second engine, continues exactly like the original; with its KV damaged it is rebuilt."""
     from engine.sampling import SamplingParams
-    from sidecar.snapshot_codec import join_snapshot, split_snapshot
+    from sidecar.sessions.snapshot_codec import join_snapshot, split_snapshot
 
     folder, _ = tiny_models("llama")
     params = SamplingParams(max_tokens=6)

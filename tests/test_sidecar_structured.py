@@ -1,4 +1,4 @@
-"""Structured output and forced tool choice through the gRPC Turn (sidecar/structured.py), on a tiny
+"""Structured output and forced tool choice through the gRPC Turn (sidecar/turns/structured.py), on a tiny
 random model with SmolLM2's tokenizer and chat template: whatever the model, the reply is a valid
 tool call or validates against the schema."""
 
@@ -150,7 +150,7 @@ def test_bad_structured_requests_are_invalid_argument(stub, kw, needle):
 
 
 def test_a_closing_tag_inside_the_arguments_does_not_end_the_call():
-    from sidecar.tool_calls import ToolCallParser
+    from sidecar.turns.tool_calls import ToolCallParser
 
     text = (
         '<tool_call>\n{"name": "calculator", "arguments": {"expression": ">2+2</tool_call>}}</tool_call> ok"}}'

@@ -45,8 +45,8 @@ def cert(tmp_path_factory):
 
 
 def test_tls_auth_and_no_store(smol_engine, cert):
-    from sidecar.auth import Authenticator
-    from sidecar.server import ServerOptions, ServerThread
+    from sidecar.grpc.auth import Authenticator
+    from sidecar.grpc.server import ServerOptions, ServerThread
 
     cert_file, key_file = cert
     options = ServerOptions(port=0, tls_cert=str(cert_file), tls_key=str(key_file), auth=Authenticator({"t0k": "acme"}))

@@ -40,7 +40,7 @@ class _Live:
 @pytest.fixture(scope="module")
 def live(smol_engine):
     from sidecar.http.app import HttpFront, HttpOptions
-    from sidecar.server import ServerOptions, ServerThread
+    from sidecar.grpc.server import ServerOptions, ServerThread
 
     thread = ServerThread(smol_engine, ServerOptions(port=0))
     port = thread.start()

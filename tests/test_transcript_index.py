@@ -1,4 +1,4 @@
-"""The store's transcript index (sidecar/transcript_index.py) on a real redis-server and a directory:
+"""The store's transcript index (sidecar/store/transcript_index.py) on a real redis-server and a directory:
 an entry is found only for its tenant and only while its session's stored front still records the
 digest; a stale entry is ignored and deleted; entry names hold nothing of the request."""
 
@@ -11,7 +11,7 @@ import msgpack
 import pytest
 
 from sidecar.store import DirectoryStore, RedisStore, StoredSession
-from sidecar.transcript_index import FOLDER, FORMAT, MAX_VERIFY, StoredTranscripts, sweep
+from sidecar.store.transcript_index import FOLDER, FORMAT, MAX_VERIFY, StoredTranscripts, sweep
 
 FRONT = "chat_transcript"
 TURN = "chat_transcript_turn"

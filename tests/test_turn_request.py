@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-from sidecar.protocol import InvalidRequest, Limits, parse_turn
-from sidecar.turn_request import (
+from sidecar.turns.protocol import InvalidRequest, Limits, parse_turn
+from sidecar.turns.request import (
     AgentHints,
     Message,
     ResponseFormat,
@@ -18,7 +18,7 @@ from sidecar.turn_request import (
     TurnRequest,
     from_proto,
 )
-from sidecar.validation import request_digest
+from sidecar.turns.validation import request_digest
 
 
 def _full_proto() -> pb.TurnRequest:

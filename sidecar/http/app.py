@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Callable
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from sidecar.grpc.ports import bind
 from sidecar.http import errors
 from sidecar.http.backend import SessionBackend
 from sidecar.http.cache_control import CacheControl
@@ -32,11 +33,10 @@ from sidecar.http.chat_completions import ChatCompletions
 from sidecar.http.errors import OpenAIError
 from sidecar.http.requests import body_object
 from sidecar.http.responses_api import Responses
-from sidecar.ports import bind
-from sidecar.store_errors import StoreUnavailable
+from sidecar.store.errors import StoreUnavailable
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sidecar.server import SidecarServer
+    from sidecar.grpc.sidecar_server import SidecarServer
 
 log = logging.getLogger(__name__)
 

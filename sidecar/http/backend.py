@@ -1,6 +1,6 @@
 """The HTTP front's one way onto the sidecar's sessions (the seam to swap for an engine client).
 
-A turn from either OpenAI API becomes a typed ``sidecar.turn_request.TurnRequest`` run by the
+A turn from either OpenAI API becomes a typed ``sidecar.turns.request.TurnRequest`` run by the
 sidecar's ``TurnRunner`` (over its ``EngineClient``), as gRPC's Turn is, so both fronts share everything behind it: tenant-scoped session keys, quotas, loading a
 session from the store, rendering only the new messages, structured output, streaming, rolling back a
 turn whose caller went away, and write-behind snapshots. The bearer token is checked by the same
@@ -15,24 +15,24 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, AsyncIterator, Mapping
 
-from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-from sidecar.http.errors import invalid
-from sidecar.engine_client import PruneSpec
 from engine.api import SessionInfo
-from sidecar.engine_results import PruneResult
-from sidecar.server import Draining
-from sidecar.session_prune import prune_session
+from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
+from sidecar.engine_bridge.client import PruneSpec
+from sidecar.engine_bridge.results import PruneResult
+from sidecar.grpc.errors import Draining
+from sidecar.http.errors import invalid
 from sidecar.session_ids import scoped_key
-from sidecar.session_record import Session
-from sidecar.structured import OutputSpecError
-from sidecar.store import StoredSession
-from sidecar.transcript_index import Found, StoredTranscripts
-from sidecar.turn_request import TurnRequest
+from sidecar.sessions.record import Session
+from sidecar.store.record import StoredSession
+from sidecar.store.transcript_index import Found, StoredTranscripts
+from sidecar.turns.prune import prune_session
+from sidecar.turns.request import TurnRequest
+from sidecar.turns.structured import OutputSpecError
 
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sidecar.server import SidecarServer
+    from sidecar.grpc.sidecar_server import SidecarServer
 
 
 class SessionBackend:
@@ -97,7 +97,7 @@ class SessionBackend:
         """The store's copy of the session when it is at ``at_least`` turns or more, that is ahead of this
         replica's (another replica ran the later turns); None when the store has nothing that far."""
         from engine.api import SessionError
-        from sidecar.store_errors import StoreError
+        from sidecar.store.errors import StoreError
 
         if not self.server.sessions.has_store:
             return None
@@ -126,7 +126,7 @@ class SessionBackend:
         """``s.front`` changed between turns (a deleted response): the store gets it at the session's
         generation; with durability sync before this returns (StoreUnavailable if it could not be
         written), else behind it. A running turn's own snapshot carries it instead."""
-        from sidecar.store_errors import StoreUnavailable
+        from sidecar.store.errors import StoreUnavailable
 
         s.front_changed()
         if self.server.options.durability != "sync" or s.busy:
@@ -164,13 +164,13 @@ class SessionBackend:
 
     # --- the transcript index in the store -----------------------------------------------------------
     def stored_transcripts(self, front_key: str, turn_key: str) -> StoredTranscripts | None:
-        """The store's transcript index (sidecar/transcript_index.py), fed by each committed snapshot;
+        """The store's transcript index (sidecar/store/transcript_index.py), fed by each committed snapshot;
         None without a store (or a writer, or for a store kind without an index: this replica's memory only)."""
         return self.server.sessions.transcripts(front_key, turn_key)
 
     async def find_transcript(self, index: StoredTranscripts, tenant: str, digests: list[bytes]) -> Found | None:
         """``index.find`` off the event loop; a store that cannot be reached finds nothing."""
-        from sidecar.store_errors import StoreError, StoreUnavailable
+        from sidecar.store.errors import StoreError, StoreUnavailable
 
         try:
             return await asyncio.to_thread(index.find, tenant, digests)

@@ -18,7 +18,7 @@ calls it) of the caller's tenant:
   priority are demoted first (GPU -> host RAM -> history), least recently used first within one.
   It travels with the session's snapshot.
 - ``prune``: asynchronous (202 and a ``prune_id``; ``GET /v1/prefix_cache/prune/{prune_id}``):
-  PruneHistory's machinery on ranges of history positions (sidecar/session_prune.py).
+  PruneHistory's machinery on ranges of history positions (sidecar/turns/prune.py).
 
 A session of another tenant is answered exactly as a missing one (404 ``session_not_found``, the
 same lookups, the same body).
@@ -31,7 +31,7 @@ import math
 from typing import Any
 
 from engine.api import PruneRecord, SessionInfo, SessionNotFound
-from sidecar.engine_client import PruneSpec
+from sidecar.engine_bridge.client import PruneSpec
 from sidecar.http import cache_requests as cr
 from sidecar.http import requests as rq
 from sidecar.http.backend import SessionBackend
@@ -40,9 +40,9 @@ from sidecar.http.conversations import transcript_digest
 from sidecar.http.errors import OpenAIError, invalid
 from sidecar.http.prune_jobs import PruneJobs
 from sidecar.session_ids import SessionKey
-from sidecar.session_record import Session
-from sidecar.store import StoredSession
-from sidecar.turn_request import TurnRequest
+from sidecar.sessions.record import Session
+from sidecar.store.record import StoredSession
+from sidecar.turns.request import TurnRequest
 
 TIERS = {"active": "gpu", "idle": "gpu", "host": "host", "history": "history"}
 

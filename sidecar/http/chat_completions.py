@@ -24,7 +24,6 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from engine.api import SessionBusy, SessionNotFound, TurnIndexMismatch
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-from sidecar.chat import tool_from_json, tools_digest
 from sidecar.http import chain_protocol
 from sidecar.http import requests as rq
 from sidecar.http.backend import SessionBackend, prepend
@@ -40,8 +39,9 @@ from sidecar.http.conversations import (
 )
 from sidecar.http.errors import from_exception, invalid
 from sidecar.session_ids import SessionKey
-from sidecar.turn_request import Message, ToolCall, TurnRequest
-from sidecar.protocol import InvalidRequest, message_dict, request_method_fields
+from sidecar.turns.chat import tool_from_json, tools_digest
+from sidecar.turns.protocol import InvalidRequest, message_dict, request_method_fields
+from sidecar.turns.request import Message, ToolCall, TurnRequest
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_TOOL_CALLS: "tool_calls"}
 MAX_MESSAGES = 4096

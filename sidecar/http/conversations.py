@@ -8,7 +8,7 @@ by chained digests: ``d_0`` = SHA-256 of the tenant, the tools and the session's
 arguments parsed as JSON; tool-call ids and whitespace in arguments do not count, since
 frameworks rewrite them). A session's current digest is kept with it (``Session.front``, so it
 travels with its snapshot), in this replica's ``TranscriptIndex`` (digest -> session key) and,
-once the session's snapshot is committed, in the store's index (sidecar/transcript_index.py), which
+once the session's snapshot is committed, in the store's index (sidecar/store/transcript_index.py), which
 every replica sharing the store reads when its own index knows no prefix as long (both hold one
 entry per session, its latest).
 
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 from collections import OrderedDict
-import re
 from typing import Any
 
 FRONT_KEY = "chat_transcript"

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.api import CapacityError
-from sidecar.limits import QuotaExceeded
+from sidecar.turns.limits import QuotaExceeded
 
 _HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -63,7 +63,7 @@ def from_exception(e: BaseException) -> OpenAIError:
     """The OpenAI error for an exception raised by the sidecar (or by this front)."""
     if isinstance(e, OpenAIError):
         return e
-    from sidecar.errors import status_for  # the one mapping of exceptions to status codes
+    from sidecar.grpc.errors import status_for  # the one mapping of exceptions to status codes
 
     code = status_for(e)
     message = str(e) or type(e).__name__

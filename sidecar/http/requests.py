@@ -1,5 +1,5 @@
 """Request fields both OpenAI APIs share, checked as hostile input and set on a ``TurnRequest``
-(``sidecar.turn_request``: the typed turn both fronts hand the turn runner).
+(``sidecar.turns.request``: the typed turn both fronts hand the turn runner).
 
 Sampling (temperature, top_p, presence/frequency/repetition penalties, seed, stop, the max tokens), function tools, ``tool_choice``, the JSON
 output formats and the ``chainkv`` extension field (``extra_body={"chainkv": {"method": "snapkv",
@@ -17,8 +17,8 @@ from typing import Any
 
 from engine.api import MAX_PRIORITY, MethodSpec
 from sidecar.http.errors import OpenAIError, invalid
-from sidecar.structured import OutputSpecError, schema_text
-from sidecar.turn_request import AgentHints, SessionControl, Tool, TurnRequest
+from sidecar.turns.request import AgentHints, SessionControl, Tool, TurnRequest
+from sidecar.turns.structured import OutputSpecError, schema_text
 
 INT32 = 2**31 - 1
 INT64 = 2**63 - 1

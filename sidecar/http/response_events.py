@@ -23,7 +23,7 @@ from pydantic import TypeAdapter
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
 from sidecar.http.backend import SessionBackend
 from sidecar.http.errors import from_exception
-from sidecar.turn_request import TurnRequest
+from sidecar.turns.request import TurnRequest
 
 MAX_STORED = 32
 """Responses kept per session for GET (the oldest are dropped)."""

@@ -28,7 +28,7 @@ from sidecar.http.backend import SessionBackend, prepend
 from sidecar.http.errors import OpenAIError, invalid
 from sidecar.http.response_events import ResponseRun
 from sidecar.session_ids import BadSessionId, check_id
-from sidecar.turn_request import Message, Tool, ToolCall, ToolChoice, TurnRequest
+from sidecar.turns.request import Message, Tool, ToolCall, ToolChoice, TurnRequest
 
 
 def response_id(session_id: str) -> str:

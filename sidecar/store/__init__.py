@@ -12,7 +12,7 @@ The package's modules: record.py is the stored format (the meta fields and their
 ``StoredSession``, the per-chunk ``Checksum``, the fence's signed bytes); base.py is
 ``SessionStore``, the save / load / delete protocol and the freshness fence that refuses a
 rolled-back session; redis_store.py and directory_store.py the two stores; this module picks one
-from a URL (``open_store``). The errors are in sidecar/store_errors.py.
+from a URL (``open_store``). The errors are in sidecar/store/errors.py.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ from typing import Any
 
 from sidecar.store.base import DEFAULT_CHUNK_BYTES, DEFAULT_TTL_S, SessionStore
 from sidecar.store.directory_store import OWN_FILE_RE, OWN_FOLDER_RE, DirectoryStore, folder_name
-from sidecar.store.record import FORMAT, Checksum, StoredSession, decode_fields, encode_fields, fence_bytes
-from sidecar.store.redis_store import RedisStore
-from sidecar.store_errors import (
+from sidecar.store.errors import (
     GenerationConflict,
     SnapshotRejected,
     SnapshotRolledBack,
     StoreError,
     StoreUnavailable,
 )
+from sidecar.store.record import FORMAT, Checksum, StoredSession, decode_fields, encode_fields, fence_bytes
+from sidecar.store.redis_store import RedisStore
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",

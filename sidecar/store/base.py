@@ -23,14 +23,14 @@ import time
 from typing import Any
 
 from sidecar.session_ids import SessionKey
-from sidecar.store.record import Checksum, StoredSession, decode_fields, encode_fields, fence_bytes
-from sidecar.store_errors import (
+from sidecar.store.errors import (
     GenerationConflict,
     SnapshotRejected,
     SnapshotRolledBack,
     StoreError,
     StoreUnavailable,
 )
+from sidecar.store.record import Checksum, StoredSession, decode_fields, encode_fields, fence_bytes
 
 DEFAULT_TTL_S = 7 * 24 * 3600
 DEFAULT_CHUNK_BYTES = 4 * 2**20
@@ -48,8 +48,8 @@ class SessionStore:
         checksum: Checksum | None = None,
         hmac_keys: Any = None,
     ):
-        """``hmac_keys``: a ``sidecar.integrity.SnapshotKeys``; the meta is then signed and checked,
-        and the chunks carry HMACs (see sidecar/integrity.py)."""
+        """``hmac_keys``: a ``sidecar.store.integrity.SnapshotKeys``; the meta is then signed and checked,
+        and the chunks carry HMACs (see sidecar/store/integrity.py)."""
         if ttl_s <= 0 or chunk_bytes <= 0:
             raise ValueError("ttl_s and chunk_bytes must be positive")
         self.ttl_s = ttl_s

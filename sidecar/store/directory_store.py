@@ -25,7 +25,7 @@ from typing import Any
 import msgpack
 
 from sidecar.store.base import SessionStore
-from sidecar.store_errors import GenerationConflict, StoreError, StoreUnavailable
+from sidecar.store.errors import GenerationConflict, StoreError, StoreUnavailable
 
 
 class DirectoryStore(SessionStore):
@@ -86,7 +86,7 @@ class DirectoryStore(SessionStore):
             tmp.unlink(missing_ok=True)
             raise StoreUnavailable(f"cannot write {path}: {e}") from None
 
-    atomic_write = _atomic_write  # public: for the transcript index's files (sidecar/transcript_index.py)
+    atomic_write = _atomic_write  # public: for the transcript index's files (sidecar/store/transcript_index.py)
 
     def _mkdir(self, key: str) -> Path:
         d = self.folder(key)

@@ -10,7 +10,7 @@ The KV chunks are a ``SessionSnapshot`` byte string (engine/cache/snapshot.py) c
 Values are raw bytes, ASCII numbers or msgpack; no pickle anywhere.
 
 Each chunk is verified against the checksum the meta records for it (``Checksum``, SHA-256; a keyed
-HMAC replaces it when a key is configured, and the meta is then signed too: sidecar/integrity.py).
+HMAC replaces it when a key is configured, and the meta is then signed too: sidecar/store/integrity.py).
 A signed fence's HMAC covers ``fence_bytes``: the fence's generation bound to the session key.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 
 import msgpack
 
-from sidecar.store_errors import StoreError
+from sidecar.store.errors import StoreError
 
 FORMAT = b"chainkv-session/1"
 

@@ -17,8 +17,8 @@ from typing import Any
 import msgpack
 
 from sidecar.store.base import SessionStore
+from sidecar.store.errors import GenerationConflict, StoreError, StoreUnavailable
 from sidecar.store.record import decode_fields
-from sidecar.store_errors import GenerationConflict, StoreError, StoreUnavailable
 
 _COMMIT_LUA = """
 -- KEYS[1]: the session's meta hash; KEYS[2]: its fence. ARGV[1]: the generation the writer expects
@@ -68,7 +68,7 @@ class RedisStore(SessionStore):
     def _ttl(self) -> int:
         return max(1, math.ceil(self.ttl_s))
 
-    ttl_seconds = _ttl  # public: the TTL other keys of this store get (sidecar/transcript_index.py)
+    ttl_seconds = _ttl  # public: the TTL other keys of this store get (sidecar/store/transcript_index.py)
 
     def meta_key(self, key: str) -> str:
         return f"{self.prefix}:{{{key}}}:meta"

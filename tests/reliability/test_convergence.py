@@ -265,8 +265,8 @@ def test_a_replica_without_a_store_that_lost_a_session_is_sent_the_whole_convers
     """``--store none``: a session the replica no longer holds (a restart, here EndSession) exists
     nowhere; the sidecar says it is at turn 0 and LangChain's next call sends the whole conversation
     as a first turn, which continues with the reference's tokens."""
-    from sidecar.auth import Authenticator
-    from sidecar.server import ServerOptions, ServerThread
+    from sidecar.grpc.auth import Authenticator
+    from sidecar.grpc.server import ServerOptions, ServerThread
 
     srv = ServerThread(smol_engine, ServerOptions(port=0, auth=Authenticator(TOKENS)), None)
     target = f"127.0.0.1:{srv.start()}"

@@ -138,9 +138,9 @@ def test_redis_killed_mid_turn_and_restarted(cluster, redis_proc, reliability_re
     assert m[("chainkv_snapshot_failures_total", (("reason", "unavailable"),))] >= 1
     assert m[("chainkv_snapshot_seconds_count", ())] >= 3
     logged = [json.loads(line) for line in p2.output if line.startswith("{")]
-    # store failures are logged once a minute by the store's health (sidecar/store_health.py), not per attempt
+    # store failures are logged once a minute by the store's health (sidecar/store/health.py), not per attempt
     assert any(
-        r["level"] == "WARNING" and r["logger"] == "sidecar.store_health" and "store is unavailable" in r["msg"]
+        r["level"] == "WARNING" and r["logger"] == "sidecar.store.health" and "store is unavailable" in r["msg"]
         for r in logged
     )
     reliability_report["faults"].append(

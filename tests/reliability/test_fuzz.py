@@ -173,9 +173,9 @@ UNARY = {
 
 @pytest.fixture(scope="module")
 def fuzz_server(smol_engine, tmp_path_factory, reliability_report):
-    from sidecar.auth import Authenticator
-    from sidecar.protocol import Limits
-    from sidecar.server import ServerOptions, ServerThread
+    from sidecar.grpc.auth import Authenticator
+    from sidecar.turns.protocol import Limits
+    from sidecar.grpc.server import ServerOptions, ServerThread
     from sidecar.store import DirectoryStore
 
     options = ServerOptions(

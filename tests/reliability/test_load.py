@@ -33,8 +33,8 @@ def conversation(i: int) -> list[str]:
 
 
 def test_concurrent_sessions_on_a_small_pool(tmp_path, reliability_report):
-    from sidecar.protocol import Limits
-    from sidecar.server import ServerOptions, ServerThread
+    from sidecar.turns.protocol import Limits
+    from sidecar.grpc.server import ServerOptions, ServerThread
     from sidecar.store import DirectoryStore
 
     import json

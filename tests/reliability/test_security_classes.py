@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sidecar._proto.chainkv.v1 import sidecar_pb2 as pb
-from sidecar.integrity import SnapshotKeys
+from sidecar.store.integrity import SnapshotKeys
 from sidecar.store import DirectoryStore, RedisStore, SnapshotRolledBack, StoredSession
 
 from redis_server import RedisProcess
@@ -178,7 +178,7 @@ def test_fuzzed_sampling_fields_never_stop_the_replica(smol_engine, reliability_
     import grpc
 
     from sidecar._proto.chainkv.v1 import sidecar_pb2_grpc
-    from sidecar.server import ServerOptions, ServerThread
+    from sidecar.grpc.server import ServerOptions, ServerThread
     from tests.sidecar_proc import serving
 
     srv = ServerThread(smol_engine, ServerOptions(port=0), None)
