@@ -208,8 +208,8 @@ def test_http_hints_pin_and_the_tenant_quota_is_429(live):
 def test_http_agent_hints_reach_the_turn_as_grpcs_do():
     from engine.chain import SessionHints
     from sidecar.http.requests import set_agent_hints
-    from sidecar.protocol import session_hints
-    from sidecar.turn_request import TurnRequest, from_proto
+    from sidecar.turns.protocol import session_hints
+    from sidecar.turns.request import TurnRequest, from_proto
 
     req = TurnRequest()
     set_agent_hints(req, {"nvext": {"agent_hints": {"priority": -2, "expected_return_s": 7}}})
