@@ -248,7 +248,7 @@ class RecallTier:
         bounds = store.block_scores(q, store.turn if earlier_only else None)  # [L, H, NB]
         slot = m.slot(seq_id)
         length = m.lengths[slot].long()  # [L, H]
-        pages = settings.recall_pages or max(1, -(-max(cap, 1) // (4 * P)))
+        pages = settings.recall_pages or max(1, -(-max(cap, 1) // P))
         top = bounds.topk(min(pages, bounds.shape[-1]), dim=-1)
         blocks = torch.where(torch.isfinite(top.values), top.indices, -1).cpu()
         if not bool((blocks >= 0).any()):

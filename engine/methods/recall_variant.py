@@ -19,12 +19,14 @@ representatives), Quest (Tang et al., ICML 2024: the per-page min/max key bound)
 carries the rule out; this module only declares the variant and checks its parameters.
 
 Parameters (besides the base method's):
-    recall_pages = 0          cold blocks per kv-head scored exactly at each recall; 0: a quarter
-                              of the head's budget in pages (at least 1)
+    recall_pages = 0          cold blocks per kv-head scored exactly at each recall; 0: the head's
+                              budget in pages (at least 1): four times the default reserve's room, so
+                              the exact ranking chooses (with only as many candidates as room, every
+                              fetched token was kept and the key bounds alone decided)
     recall_window = 32        the latest queries (per layer, of the turn's input or of decoding)
                               that score the cold blocks; the latest ``recall_window`` tokens a head
                               holds (at most half its budget) are never displaced
-    recall_pool = 9           a token ranks by the best exact logit within ``recall_pool`` positions of
+    recall_pool = 9           a token ranks by the best score (``recall_score``) within ``recall_pool`` positions of
                               it (a max-pooling in position order, centred; 1: its own): a record's
                               later tokens come back with the key the query attends to (odd, <= 63)
     recall_score = "logit"    what ranks a token: ``logit``, its best exact logit over the queries; ``mass``,
@@ -80,7 +82,7 @@ class RecallParams:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(f"{key} must be an integer, not {value!r}")
         if not 0 <= self.recall_pages <= 1 << 16:
-            raise bad(f"recall_pages must be in [0, 65536] (0: a quarter of the budget), not {self.recall_pages}")
+            raise bad(f"recall_pages must be in [0, 65536] (0: the budget in pages), not {self.recall_pages}")
         if not 1 <= self.recall_window <= 4096:
             raise bad(f"recall_window must be in [1, 4096] queries, not {self.recall_window}")
         if not (1 <= self.recall_pool <= 63 and self.recall_pool % 2 == 1):
