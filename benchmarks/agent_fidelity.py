@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    commit = _commit()  # before the transcripts are built from the repository's files
     engine = make_engine(args, 2 * tokens + 1024)  # kvzip's reconstruction pass reads the context twice
     count = lambda text: len(engine.encode(text))  # noqa: E731
     transcripts = [
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
         "description": "benchmarks/agent_fidelity.py: agent transcripts (tool outputs of the repo's code, JSON, "
         "logs, docs) through the engine's chain API, each configuration teacher-forced to dense's replies.",
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + (argv if argv is not None else sys.argv[1:])),
-        "commit": _commit(),
+        "commit": commit,
         "model": args.model,
         "size": args.size,
         "samples": args.samples,
